@@ -1,0 +1,186 @@
+"""Time and memory of one jitted offload_adamw step on a ~1.1B-parameter Llama-shaped tree.
+
+Each (offload fraction, update placement) runs in a fresh process, so its peak
+device memory is its own. Writes JSON and a markdown table.
+
+  python benchmarks/optimizer_step.py --out docs/benchmarks/optimizer_step
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+# TinyLlama-1.1B: vocab 32000, hidden 2048, intermediate 5632, 22 layers, 32 heads, 4 kv heads.
+VOCAB, HIDDEN, INTER, LAYERS, KV_DIM = 32000, 2048, 5632, 22, 256
+
+
+def llama_shapes(layout: str) -> dict:
+  """Parameter shapes of the model, layers stacked on axis 0 or one subtree per layer."""
+  layer = {"q": (HIDDEN, HIDDEN), "k": (HIDDEN, KV_DIM), "v": (HIDDEN, KV_DIM), "o": (HIDDEN, HIDDEN),
+           "gate": (HIDDEN, INTER), "up": (HIDDEN, INTER), "down": (INTER, HIDDEN),
+           "attn_norm": (HIDDEN,), "mlp_norm": (HIDDEN,)}
+  if layout == "stacked":
+    layers = {name: (LAYERS, *shape) for name, shape in layer.items()}
+  else:
+    layers = {f"{i:02d}": dict(layer) for i in range(LAYERS)}
+  return {"embed": (VOCAB, HIDDEN), "layers": layers, "final_norm": (HIDDEN,),
+          "lm_head": (HIDDEN, VOCAB)}
+
+
+def measure(fraction: float, update_on: str, layout: str, steps: int) -> dict:
+  """Builds params, gradients and state on the default device; times the donated step."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  import jaxoffload
+
+  shapes = llama_shapes(layout)
+  is_shape = lambda x: isinstance(x, tuple)
+
+  @jax.jit
+  def make(key):
+    leaves, treedef = jax.tree.flatten(shapes, is_leaf=is_shape)
+    keys = jax.random.split(key, len(leaves))
+    return treedef.unflatten([0.02 * jax.random.normal(k, s, jnp.float32) for k, s in zip(keys, leaves)])
+
+  params = make(jax.random.PRNGKey(0))
+  grads = jax.tree.map(lambda p: p * 1e-2, make(jax.random.PRNGKey(1)))
+  if fraction == 0.0 and update_on == "device":
+    opt = optax.adamw(1e-4)  # The no-offload baseline: plain optax.
+  else:
+    opt = jaxoffload.offload_adamw(1e-4, offload_fraction=fraction, update_on=update_on)
+  state = opt.init(params)
+  plan = None if fraction == 0.0 and update_on == "device" else jaxoffload.find_offload_plan(state)
+
+  def step(params, state, grads):
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  shardings = jax.tree.map(lambda x: x.sharding, (params, state))
+  jitted = jax.jit(step, donate_argnums=(0, 1), out_shardings=shardings)
+  compiled = jitted.lower(params, state, grads).compile()
+  analysis = compiled.memory_analysis()
+  times = []
+  for _ in range(steps + 1):
+    start = time.perf_counter()
+    params, state = jitted(params, state, grads)
+    jax.block_until_ready((params, state))
+    times.append(time.perf_counter() - start)
+  n_params = sum(x.size for x in jax.tree.leaves(params))
+  offloaded = plan.offloaded_elements if plan else 0
+  step_s = statistics.median(times[1:])
+  return {
+      "fraction_asked": fraction,
+      "fraction_achieved": offloaded / n_params,
+      "update_on": update_on if plan else "optax.adamw",
+      "params": n_params,
+      "offloaded_moment_bytes": 2 * 4 * offloaded,
+      "step_s_median": step_s,
+      "step_s_all": times[1:],
+      "peak_device_bytes": jaxoffload.peak_device_bytes(),
+      "state_bytes_by_kind": jaxoffload.bytes_by_memory_kind(state),
+      "xla_temp_bytes": getattr(analysis, "temp_size_in_bytes", None),
+      "xla_argument_bytes": getattr(analysis, "argument_size_in_bytes", None),
+      "xla_host_temp_bytes": getattr(analysis, "host_temp_size_in_bytes", None),
+      "offloaded_params_per_s": offloaded / step_s if offloaded else None,
+  }
+
+
+def torch_fused_adamw_rate(n: int = 128 * 2**20, steps: int = 5) -> float | None:
+  """torch's fused CPU AdamW, parameters per second, for comparison; None without torch."""
+  try:
+    import torch
+  except ImportError:
+    return None
+  p = torch.nn.Parameter(torch.randn(n))
+  p.grad = torch.randn(n)
+  opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
+  opt.step()
+  start = time.perf_counter()
+  for _ in range(steps):
+    opt.step()
+  return n * steps / (time.perf_counter() - start)
+
+
+def markdown(results: list[dict], meta: dict) -> str:
+  base = next(r for r in results if r["update_on"] == "optax.adamw")
+  lines = [
+      f"# One optimizer step, {meta['params'] / 1e9:.2f}B fp32 parameters ({meta['layout']} layers)",
+      "",
+      f"Device: {meta['device']}; JAX {meta['jax']}; {meta['host_cores']} host cores; {meta['date']}.",
+      f"Command: `{meta['command']}`",
+      "",
+      "| update on | fraction asked | achieved | step (s) | ratio | peak device (GiB) | saved (GiB) | "
+      "offloaded moments (GiB) | saved / offloaded | offloaded params/s (G) |",
+      "|---|---|---|---|---|---|---|---|---|---|",
+  ]
+  gib = 2**30
+  for r in results:
+    saved = (base["peak_device_bytes"] - r["peak_device_bytes"]) if r["peak_device_bytes"] else None
+    off = r["offloaded_moment_bytes"]
+    lines.append(
+        f"| {r['update_on']} | {r['fraction_asked']} | {r['fraction_achieved']:.3f} | "
+        f"{r['step_s_median']:.4f} | {r['step_s_median'] / base['step_s_median']:.2f} | "
+        f"{(r['peak_device_bytes'] or 0) / gib:.2f} | {(saved or 0) / gib:.2f} | {off / gib:.2f} | "
+        f"{(saved / off if off and saved is not None else float('nan')):.3f} | "
+        f"{(r['offloaded_params_per_s'] or 0) / 1e9:.2f} |")
+  if meta.get("torch_fused_adamw_params_per_s"):
+    lines += ["", f"torch fused CPU AdamW on the same host: "
+              f"{meta['torch_fused_adamw_params_per_s'] / 1e9:.2f} G params/s (128M fp32 params)."]
+  return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--fractions", default="0,0.25,0.5,1.0")
+  parser.add_argument("--modes", default="host,device")
+  parser.add_argument("--layout", choices=["stacked", "per-layer"], default="stacked")
+  parser.add_argument("--steps", type=int, default=5)
+  parser.add_argument("--out", default="docs/benchmarks/optimizer_step")
+  parser.add_argument("--child", nargs=2, metavar=("FRACTION", "MODE"), help=argparse.SUPPRESS)
+  args = parser.parse_args()
+
+  if args.child:
+    print(json.dumps(measure(float(args.child[0]), args.child[1], args.layout, args.steps)))
+    return
+
+  runs = [(0.0, "device")] + [(float(f), m) for m in args.modes.split(",")
+                              for f in args.fractions.split(",") if float(f) > 0]
+  results = []
+  for fraction, mode in runs:
+    out = subprocess.run([sys.executable, __file__, "--child", str(fraction), mode, "--layout",
+                          args.layout, "--steps", str(args.steps)],
+                         capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+      sys.stderr.write(out.stderr[-3000:])
+      raise SystemExit(f"run fraction={fraction} update_on={mode} failed")
+    results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    print(json.dumps({k: results[-1][k] for k in ("update_on", "fraction_asked", "step_s_median",
+                                                   "peak_device_bytes")}), flush=True)
+
+  import jax
+  meta = {
+      "device": jax.devices()[0].device_kind, "jax": jax.__version__, "host_cores": os.cpu_count(),
+      "date": datetime.date.today().isoformat(), "layout": args.layout, "params": results[0]["params"],
+      "command": "python " + " ".join(sys.argv),
+      "torch_fused_adamw_params_per_s": torch_fused_adamw_rate(),
+  }
+  os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+  with open(args.out + ".json", "w") as f:
+    json.dump({"meta": meta, "results": results}, f, indent=1)
+  table = markdown(results, meta)
+  with open(args.out + ".md", "w") as f:
+    f.write(table)
+  print(table)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,216 @@
+"""Adam whose moments live partly in host memory: ``scale_by_offloaded_adam`` and ``offload_adamw``."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from optax import tree_utils as otu
+
+from jaxoffload._compat import PINNED_HOST, to_host
+from jaxoffload.placement import (OffloadMask, OffloadPlan, check_fraction, plan_offload,
+                                  replicated_like)
+from jaxoffload.streaming import run_on_host, run_streamed
+
+UPDATE_PLACES = ("host", "device")
+# Largest piece of host state that update_on="device" brings to the device at once.
+DEFAULT_CHUNK_BYTES = 16 * 2**20
+
+
+class ScaleByOffloadedAdamState(NamedTuple):
+  """State of ``scale_by_offloaded_adam``; ``mu`` and ``nu`` mirror ``optax.ScaleByAdamState``."""
+
+  count: jax.Array  # int32 scalar in device memory: steps taken, for bias correction.
+  mu: optax.Updates  # First moments; the plan's offloaded leaves live in pinned_host.
+  nu: optax.Updates  # Second moments; placed like mu.
+  plan: OffloadPlan  # Static (no arrays): which leaves are offloaded, fixed at init.
+
+
+def _check_update_on(update_on: str) -> None:
+  if update_on not in UPDATE_PLACES:
+    raise ValueError(f"update_on must be one of {UPDATE_PLACES}, got {update_on!r}")
+
+
+def _check_float_leaves(params: Any) -> None:
+  for key_path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    if not jnp.issubdtype(leaf.dtype, jnp.floating):
+      raise ValueError(
+          f"scale_by_offloaded_adam needs floating-point parameters; leaf "
+          f"{jax.tree_util.keystr(key_path)} has dtype {leaf.dtype}. Allowed: float16, "
+          "bfloat16, float32, float64. Mask such leaves out with optax.masked.")
+
+
+def _is_static_number(x: Any) -> bool:
+  return isinstance(x, (int, float))
+
+
+def scale_by_offloaded_adam(
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    *,
+    mu_dtype: Optional[Any] = None,
+    offload_fraction: float = 1.0,
+    offload_mask: OffloadMask | None = None,
+    update_on: str = "host",
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> optax.GradientTransformation:
+  """Scales updates by Adam, exactly as ``optax.scale_by_adam``, with moments partly in host memory.
+
+  The moments (``mu`` and ``nu``) of the leaves chosen by ``offload_fraction``
+  (see ``plan_offload``) or by ``offload_mask`` live in ``pinned_host`` memory;
+  the other leaves' moments stay on the device and update as in optax.
+
+  Args:
+    b1: decay rate of the first moment.
+    b2: decay rate of the second moment.
+    eps: added to the denominator's square root.
+    mu_dtype: dtype of the first moment; None keeps the parameters' dtype.
+    offload_fraction: share of parameter elements whose moments go to host
+      memory, in [0.0, 1.0]; whole leaves are chosen, in tree order.
+    offload_mask: picks the offloaded leaves instead (a pytree of bools, or
+      ``fn(path, leaf) -> bool``); leave ``offload_fraction`` at 1.0 with it.
+    update_on: where offloaded leaves update. ``"host"``: gradients go to host
+      memory, the host CPU updates the moments in place and only the scaled
+      update comes back. ``"device"``: the moments stream through the device in
+      ``chunk_bytes`` pieces and go back. Both give the same numbers.
+    chunk_bytes: with ``update_on="device"``, the most host state brought to
+      the device at once, per leaf.
+
+  Returns:
+    An ``optax.GradientTransformation``. Its state carries the ``OffloadPlan``;
+    ``print(jaxoffload.find_offload_plan(state))`` shows the achieved share.
+
+  Example:
+    >>> opt = scale_by_offloaded_adam(offload_fraction=0.5)
+    >>> state = opt.init(params)
+    >>> updates, state = jax.jit(opt.update, donate_argnums=1)(grads, state)
+  """
+  _check_update_on(update_on)
+  if not isinstance(offload_fraction, jax.core.Tracer):
+    check_fraction(offload_fraction)
+    if offload_mask is not None and check_fraction(offload_fraction) != 1.0:
+      raise ValueError(
+          f"offload_mask picks the offloaded leaves itself; got offload_fraction="
+          f"{offload_fraction!r} beside it. Leave offload_fraction at 1.0 with a mask.")
+  if not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
+    raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
+  mu_dtype = None if mu_dtype is None else jax.dtypes.canonicalize_dtype(mu_dtype)
+
+  def init_fn(params):
+    _check_float_leaves(params)
+    plan = plan_offload(params, offload_fraction=check_fraction(offload_fraction),
+                        offload_mask=offload_mask)
+
+    def zeros(leaf, offloaded, dtype=None):
+      if not offloaded:
+        return jnp.zeros_like(leaf, dtype=dtype)
+      if isinstance(leaf, jax.core.Tracer) or not hasattr(leaf, "sharding"):
+        return to_host(jnp.zeros_like(leaf, dtype=dtype))
+      # Concrete parameters: fill host memory straight from host zeros, so that
+      # init never holds the offloaded moments in device memory, even briefly.
+      host_sharding = leaf.sharding.with_memory_kind(PINNED_HOST)
+      return jax.device_put(np.zeros(leaf.shape, dtype or leaf.dtype), host_sharding)
+
+    mu = jax.tree.map(lambda p, o: zeros(p, o, mu_dtype), params, plan.mask)
+    nu = jax.tree.map(zeros, params, plan.mask)
+    count = jnp.zeros([], jnp.int32)
+    count_sharding = replicated_like(params)
+    if count_sharding is not None:
+      count = jax.device_put(count, count_sharding)
+    return ScaleByOffloadedAdamState(count=count, mu=mu, nu=nu, plan=plan)
+
+  def update_fn(updates, state, params=None):
+    del params
+    plan = state.plan
+    grads, treedef = jax.tree.flatten(updates)
+    if treedef != plan.treedef:
+      raise ValueError(
+          f"updates do not have the structure the state was initialised with: got "
+          f"{treedef}, expected {plan.treedef}")
+    count_inc = optax.safe_increment(state.count)
+
+    # Hyperparameters given as arrays (optax.inject_hyperparams) are operands the
+    # host path must receive in host memory; Python numbers stay compile-time
+    # constants, so the arithmetic matches optax's to the bit.
+    hyper = {"b1": b1, "b2": b2, "eps": eps}
+    dynamic = tuple(k for k, v in hyper.items() if not _is_static_number(v))
+    scalars = (count_inc, *(jnp.asarray(hyper[k]) for k in dynamic))
+
+    def adam(scalars, device_in, host_in):
+      count, *values = scalars
+      h = {**hyper, **dict(zip(dynamic, values))}
+      (g,), (mu, nu) = device_in, host_in
+      new_mu = otu.tree_update_moment(g, mu, h["b1"], 1)
+      new_nu = otu.tree_update_moment_per_elem_norm(g, nu, h["b2"], 2)
+      mu_hat = otu.tree_bias_correction(new_mu, h["b1"], count)
+      nu_hat = otu.tree_bias_correction(new_nu, h["b2"], count)
+      # optax adds eps_root (0.0 in optax.adamw) inside the root; keep its ops.
+      direction = mu_hat / (jnp.sqrt(nu_hat + 0.0) + h["eps"])
+      return (direction,), (otu.tree_cast(new_mu, mu_dtype), new_nu.astype(nu.dtype))
+
+    run = _RUNNERS[update_on]
+    directions, new_mu, new_nu = [], [], []
+    for g, mu, nu, offloaded in zip(grads, treedef.flatten_up_to(state.mu),
+                                    treedef.flatten_up_to(state.nu), plan.offloaded):
+      if offloaded:
+        (direction,), (mu, nu) = run(adam, scalars, (g,), (mu, nu), chunk_bytes=chunk_bytes)
+      else:
+        (direction,), (mu, nu) = adam(scalars, (g,), (mu, nu))
+      directions.append(direction)
+      new_mu.append(mu)
+      new_nu.append(nu)
+    new_state = ScaleByOffloadedAdamState(
+        count=count_inc, mu=treedef.unflatten(new_mu), nu=treedef.unflatten(new_nu), plan=plan)
+    return treedef.unflatten(directions), new_state
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _run_on_host(fn, scalars, device_in, host_in, *, chunk_bytes):
+  del chunk_bytes  # The host path holds nothing in device memory.
+  return run_on_host(fn, scalars, device_in, host_in)
+
+
+_RUNNERS: dict[str, Callable[..., Any]] = {"host": _run_on_host, "device": run_streamed}
+
+
+def offload_adamw(
+    learning_rate: optax.ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 1e-4,
+    mask: Optional[Any] = None,
+    *,
+    mu_dtype: Optional[Any] = None,
+    offload_fraction: float = 1.0,
+    offload_mask: OffloadMask | None = None,
+    update_on: str = "host",
+) -> optax.GradientTransformation:
+  """``optax.adamw`` with a chosen share of its moments in host memory.
+
+  Args:
+    learning_rate: a number or an optax schedule.
+    b1, b2, eps, weight_decay, mask: as in ``optax.adamw``.
+    mu_dtype, offload_fraction, offload_mask, update_on: as in
+      ``scale_by_offloaded_adam``. Under ``optax.inject_hyperparams`` with a
+      jitted ``init``, name ``offload_fraction`` in ``static_args``.
+
+  Returns:
+    An ``optax.GradientTransformation`` that gives the same updates as
+    ``optax.adamw`` with the same arguments.
+
+  Example:
+    >>> opt = offload_adamw(optax.cosine_decay_schedule(3e-4, 1000), offload_fraction=0.25)
+    >>> opt_state = opt.init(params)
+  """
+  return optax.chain(
+      scale_by_offloaded_adam(b1, b2, eps, mu_dtype=mu_dtype, offload_fraction=offload_fraction,
+                              offload_mask=offload_mask, update_on=update_on),
+      optax.add_decayed_weights(weight_decay, mask),
+      optax.scale_by_learning_rate(learning_rate),
+  )

@@ -1,0 +1,185 @@
+"""Which parameter leaves have their optimizer state kept in host memory.
+
+The choice is made once from the parameter tree's shapes, so it is static under
+``jax.jit`` and the same at ``init`` and at every ``update``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Union
+
+import jax
+import numpy as np
+
+# A pytree of bools with the parameters' structure, or a predicate on a leaf's path
+# ("layers/mlp/kernel") and the leaf itself.
+OffloadMask = Union[Any, Callable[[str, Any], bool]]
+
+
+def leaf_path(key_path: tuple[Any, ...]) -> str:
+  """A leaf's path as '/'-joined key names, for example ``"layers/0/kernel"``."""
+  parts = []
+  for key in key_path:
+    for attr in ("key", "name", "idx"):
+      if hasattr(key, attr):
+        parts.append(str(getattr(key, attr)))
+        break
+    else:
+      parts.append(str(key))
+  return "/".join(parts)
+
+
+def check_fraction(offload_fraction: Any) -> float:
+  """Returns ``offload_fraction`` as a float, or raises ValueError naming it."""
+  if isinstance(offload_fraction, jax.core.Tracer):
+    raise ValueError(
+        "offload_fraction must be a concrete number, got a traced value: it decides "
+        "where state lives, which cannot change inside jit. Under optax.inject_hyperparams "
+        "pass static_args=('offload_fraction',)")
+  if isinstance(offload_fraction, (jax.Array, np.ndarray)) and offload_fraction.shape == ():
+    offload_fraction = offload_fraction.item()
+  if isinstance(offload_fraction, bool) or not isinstance(offload_fraction, (int, float)):
+    raise ValueError(
+        f"offload_fraction must be a number in [0.0, 1.0], got {offload_fraction!r}")
+  if not 0.0 <= offload_fraction <= 1.0:  # NaN fails this too.
+    raise ValueError(f"offload_fraction must be in [0.0, 1.0], got {offload_fraction!r}")
+  return float(offload_fraction)
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadPlan:
+  """The leaves whose optimizer state lives in host memory.
+
+  A pytree node with no array leaves: stored in an optimizer state, it travels
+  through ``jax.jit`` as static structure, so the placement chosen at ``init``
+  is the one every ``update`` uses.
+
+  Attributes:
+    treedef: the parameters' tree structure.
+    offloaded: one bool per parameter leaf, in ``jax.tree.leaves`` order.
+    offloaded_paths: the offloaded leaves' paths, in tree order.
+    offloaded_elements: parameter elements whose state is offloaded.
+    total_elements: all parameter elements.
+  """
+
+  treedef: Any
+  offloaded: tuple[bool, ...]
+  offloaded_paths: tuple[str, ...]
+  offloaded_elements: int
+  total_elements: int
+
+  @property
+  def mask(self) -> Any:
+    """A pytree of bools with the parameters' structure; True means offloaded."""
+    return jax.tree_util.tree_unflatten(self.treedef, self.offloaded)
+
+  @property
+  def fraction(self) -> float:
+    """The achieved share of parameter elements whose state is offloaded."""
+    return self.offloaded_elements / self.total_elements if self.total_elements else 0.0
+
+  def __str__(self) -> str:
+    return (f"optimizer state offloaded for {self.offloaded_elements:,} of "
+            f"{self.total_elements:,} parameter elements ({self.fraction:.2%}) in "
+            f"{len(self.offloaded_paths)} leaves")
+
+
+def plan_offload(params: Any, *, offload_fraction: float = 1.0,
+                 offload_mask: OffloadMask | None = None) -> OffloadPlan:
+  """Chooses the parameter leaves whose optimizer state goes to host memory.
+
+  Without a mask, leaves are visited in ``jax.tree.leaves`` order (dict keys
+  sorted) and offloaded while the offloaded share is still below
+  ``offload_fraction``, as Megatron-Core's HybridDeviceOptimizer fills its CPU
+  share. Leaves are never split, so the achieved share (``plan.fraction``) can
+  pass the one asked for by less than one leaf.
+
+  Scalar (0-d) leaves always stay on the device: offloading one saves a few
+  bytes, and jit's donation pairs buffers with outputs by shape, so a host
+  scalar can be paired with a device scalar (a hyperparameter, a step count).
+
+  Args:
+    params: the parameter pytree (arrays or ``jax.ShapeDtypeStruct``).
+    offload_fraction: the share of parameter elements to offload, in [0.0, 1.0].
+    offload_mask: picks the leaves instead of ``offload_fraction``: a pytree of
+      bools with the parameters' structure, or ``fn(path, leaf) -> bool`` where
+      ``path`` is the leaf's '/'-joined key path.
+
+  Returns:
+    An ``OffloadPlan``; ``print(plan)`` shows the achieved share.
+
+  Example:
+    >>> plan = plan_offload({"a": jnp.zeros(30), "b": jnp.zeros(10)}, offload_fraction=0.5)
+    >>> plan.fraction
+    0.75
+  """
+  fraction = check_fraction(offload_fraction)
+  path_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+  sizes = [math.prod(leaf.shape) for _, leaf in path_leaves]
+  paths = [leaf_path(key_path) for key_path, _ in path_leaves]
+  total = sum(sizes)
+  candidates = [len(leaf.shape) > 0 for _, leaf in path_leaves]
+
+  if offload_mask is None:
+    chosen, offloaded = [], 0
+    for size, candidate in zip(sizes, candidates):
+      take = candidate and offloaded < fraction * total
+      chosen.append(take)
+      offloaded += size if take else 0
+  elif callable(offload_mask):
+    chosen = [bool(offload_mask(path, leaf)) for path, (_, leaf) in zip(paths, path_leaves)]
+  else:
+    mask_leaves, mask_treedef = jax.tree_util.tree_flatten(offload_mask)
+    if mask_treedef != treedef:
+      raise ValueError(
+          "offload_mask must have the parameters' tree structure; got "
+          f"{mask_treedef}, expected {treedef}")
+    bad = [m for m in mask_leaves if not isinstance(m, (bool, np.bool_))]
+    if bad:
+      raise ValueError(f"offload_mask leaves must be bools, got {bad[0]!r}")
+    chosen = [bool(m) for m in mask_leaves]
+  chosen = [c and candidate for c, candidate in zip(chosen, candidates)]
+
+  return OffloadPlan(
+      treedef=treedef,
+      offloaded=tuple(chosen),
+      offloaded_paths=tuple(p for p, c in zip(paths, chosen) if c),
+      offloaded_elements=sum(s for s, c in zip(sizes, chosen) if c),
+      total_elements=total,
+  )
+
+
+def replicated_like(tree: Any) -> jax.sharding.Sharding | None:
+  """A sharding that replicates a scalar over the devices of the tree's first concrete array.
+
+  Optimizer scalars (the step count) placed this way are committed like the
+  offloaded state, so ``jax.jit`` sees the same argument shardings at every step
+  and compiles once. None when the tree holds no concrete array.
+  """
+  for leaf in jax.tree.leaves(tree):
+    if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+      sharding = leaf.sharding
+      if isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+      if len(sharding.device_set) == 1:
+        return jax.sharding.SingleDeviceSharding(next(iter(sharding.device_set)))
+      return None
+  return None
+
+
+jax.tree_util.register_pytree_node(OffloadPlan, lambda plan: ((), plan), lambda plan, _: plan)
+
+
+def find_offload_plan(opt_state: Any) -> OffloadPlan:
+  """Returns the ``OffloadPlan`` inside an optimizer state, however deeply it is wrapped.
+
+  Raises:
+    ValueError: if the state holds no offloaded optimizer, or more than one.
+  """
+  plans = [x for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, OffloadPlan))
+           if isinstance(x, OffloadPlan)]
+  if len(plans) != 1:
+    raise ValueError(f"expected one offloaded optimizer in the state, found {len(plans)}")
+  return plans[0]

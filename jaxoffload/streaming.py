@@ -1,0 +1,82 @@
+"""Two ways to run an elementwise update whose state lives in host memory.
+
+Both take ``fn(scalars, device_inputs, host_inputs) -> (device_outputs,
+host_outputs)``: an elementwise function of same-shaped arrays, plus scalar
+arrays (a step count, injected hyperparameters) that it may not close over,
+because the host path needs every operand in host memory.
+
+- ``run_on_host`` runs ``fn`` on the host CPU: device inputs travel down, host
+  state never leaves host memory, device outputs travel back up.
+- ``run_streamed`` runs ``fn`` on the device over bounded chunks of the leaf, so
+  at most one chunk of host state occupies device memory at a time.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+import jax
+
+from jaxoffload._compat import HOST, on_host, to_device, to_host
+
+ElementwiseFn = Callable[[Sequence[Any], Sequence[Any], Sequence[Any]],
+                         tuple[Sequence[Any], Sequence[Any]]]
+
+# How far above the smallest admissible chunk count to look for one that divides
+# the leaf evenly, before streaming the leaf whole.
+_DIVISOR_SEARCH_SPAN = 4
+
+
+def run_on_host(fn: ElementwiseFn, scalars: Sequence[Any], device_inputs: Sequence[Any],
+                host_inputs: Sequence[Any]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+  """Runs ``fn`` on the host; returns device outputs on the device, host outputs on the host."""
+  host_fn = on_host(fn, out_memory_spaces=HOST)
+  device_out, host_out = host_fn(to_host(tuple(scalars)), to_host(tuple(device_inputs)),
+                                 tuple(host_inputs))
+  return tuple(to_device(tuple(device_out))), tuple(to_host(tuple(host_out)))
+
+
+def num_chunks(num_elements: int, host_bytes_per_element: int, chunk_bytes: int) -> int:
+  """How many equal pieces to stream a leaf in, so that each carries at most ``chunk_bytes``.
+
+  Returns the smallest divisor of ``num_elements`` that keeps a piece under
+  ``chunk_bytes``; 1 (the whole leaf) when no divisor lies near that count.
+  """
+  fewest = max(1, math.ceil(num_elements * host_bytes_per_element / chunk_bytes))
+  for count in range(fewest, min(num_elements, _DIVISOR_SEARCH_SPAN * fewest) + 1):
+    if num_elements % count == 0:
+      return count
+  return 1
+
+
+def run_streamed(fn: ElementwiseFn, scalars: Sequence[Any], device_inputs: Sequence[Any],
+                 host_inputs: Sequence[Any], *, chunk_bytes: int
+                 ) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+  """Runs ``fn`` on the device, bringing host inputs in ``chunk_bytes`` pieces.
+
+  The pieces are the iterations of a ``lax.scan`` over the flattened leaf, so
+  XLA cannot bring them all in at once: each piece is copied in, updated and
+  copied back before the next one's buffers are needed.
+  """
+  shape = device_inputs[0].shape
+  size = math.prod(shape)
+  host_bytes = sum(x.dtype.itemsize for x in host_inputs)
+  count = num_chunks(size, host_bytes, chunk_bytes)
+  if count == 1:
+    device_out, host_out = fn(scalars, tuple(device_inputs), tuple(to_device(tuple(host_inputs))))
+    return tuple(device_out), tuple(to_host(tuple(host_out)))
+
+  def split(x):
+    return x.reshape(count, size // count)
+
+  def body(_, chunk):
+    device_chunk, host_chunk = chunk
+    device_out, host_out = fn(scalars, device_chunk, to_device(host_chunk))
+    return None, (tuple(device_out), tuple(to_host(tuple(host_out))))
+
+  _, (device_out, host_out) = jax.lax.scan(
+      body, None, (tuple(map(split, device_inputs)), tuple(map(split, host_inputs))))
+  device_out = tuple(x.reshape(shape) for x in device_out)
+  host_out = tuple(to_host(tuple(x.reshape(shape) for x in host_out)))
+  return device_out, host_out

@@ -1,0 +1,79 @@
+"""Shared test fixtures: a tree of mixed leaf sizes, gradients, and a reference training loop."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+
+def mixed_params(dtype=jnp.float32, seed=0):
+  """Leaves of very different sizes (a scalar to a 2-D table), in nested dicts."""
+  shapes = {
+      "embed": (96, 32),
+      "layer": {"kernel": (32, 64), "bias": (64,), "out": (64, 32)},
+      "norm": (32,),
+      "scale": (),
+  }
+  keys = iter(jax.random.split(jax.random.PRNGKey(seed), 16))
+  return jax.tree.map(lambda s: jax.random.normal(next(keys), s, dtype), shapes,
+                      is_leaf=lambda x: isinstance(x, tuple))
+
+
+def grads_at(params, step):
+  """Deterministic pseudo-gradients for a step, of the parameters' shapes and dtypes."""
+  key = jax.random.PRNGKey(1000 + step)
+  leaves, treedef = jax.tree.flatten(params)
+  keys = jax.random.split(key, len(leaves))
+  return treedef.unflatten(
+      [jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)])
+
+
+def train(opt, params, steps, *, jit=True, on_state=None, pin_out_shardings=True):
+  """Runs ``steps`` updates with a donated, jitted train step; returns params, state and step.
+
+  With ``pin_out_shardings`` the step's outputs are pinned to the inputs'
+  shardings and memory kinds, as the README advises: without them JAX pairs
+  donated buffers with outputs by shape alone, whatever their memory.
+  """
+
+  def step(params, state, grads):
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  # Committed parameters give step 1 the argument placements that every later
+  # step sees, so the step compiles once.
+  params = jax.tree.map(lambda x: jax.device_put(jnp.copy(x), x.sharding), params)
+  state = opt.init(params)
+  if jit:
+    shardings = jax.tree.map(lambda x: x.sharding, (params, state)) if pin_out_shardings else None
+    step = jax.jit(step, donate_argnums=(0, 1), out_shardings=shardings)
+  if on_state:
+    on_state(state)
+  for i in range(steps):
+    params, state = step(params, state, grads_at(params, i))
+    if on_state:
+      on_state(state)
+  return params, state, step
+
+
+def max_rel_diff(a, b):
+  """The largest max|a - b| / max|b| over the leaves, computed in float64."""
+  worst = 0.0
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    worst = max(worst, float(np.max(np.abs(x - y)) / max(np.max(np.abs(y)), 1e-30)))
+  return worst
+
+
+def moment_kinds(adam_state):
+  """(offloaded, memory kind) for each leaf of an offloaded Adam state's mu and nu."""
+  offloaded = adam_state.plan.offloaded
+  return [(o, x.sharding.memory_kind)
+          for moments in (adam_state.mu, adam_state.nu)
+          for o, x in zip(offloaded, jax.tree.leaves(moments))]
+
+
+def assert_moments_placed(adam_state):
+  """Offloaded leaves' moments are in pinned_host, the others on the device."""
+  for offloaded, kind in moment_kinds(adam_state):
+    assert kind == ("pinned_host" if offloaded else "device")

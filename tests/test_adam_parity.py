@@ -1,0 +1,89 @@
+"""offload_adamw gives optax.adamw's numbers, whatever share of state is offloaded and wherever it updates."""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import jaxoffload
+from tests.helpers import max_rel_diff, mixed_params, train
+
+FRACTIONS = [0.0, 0.25, 0.5, 1.0]
+MODES = ["host", "device"]
+STEPS = 20
+SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 5, STEPS)
+
+
+def adamw_pair(fraction, update_on, **kwargs):
+  """offload_adamw, with device streaming cut into several chunks per leaf, and optax.adamw."""
+  ours = optax.chain(
+      jaxoffload.scale_by_offloaded_adam(offload_fraction=fraction, update_on=update_on,
+                                         chunk_bytes=1024, **kwargs),
+      optax.add_decayed_weights(1e-2),
+      optax.scale_by_learning_rate(SCHEDULE),
+  )
+  return ours, optax.adamw(SCHEDULE, weight_decay=1e-2, **kwargs)
+
+
+def test_offload_adamw_is_the_chain_above():
+  params = mixed_params()
+  got, _, _ = train(jaxoffload.offload_adamw(SCHEDULE, weight_decay=1e-2, offload_fraction=0.5),
+                    params, STEPS)
+  want, _, _ = train(adamw_pair(0.5, "host")[0], params, STEPS)
+  assert max_rel_diff(got, want) == 0.0
+
+
+@pytest.mark.parametrize("update_on", MODES)
+@pytest.mark.parametrize("fraction", FRACTIONS)
+def test_float32_matches_optax(fraction, update_on):
+  ours, ref = adamw_pair(fraction, update_on)
+  params = mixed_params()
+  got, _, _ = train(ours, params, STEPS)
+  want, _, _ = train(ref, params, STEPS)
+  assert max_rel_diff(got, want) <= 1e-5
+
+
+@pytest.mark.parametrize("update_on", MODES)
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_bfloat16_params_match_optax(fraction, update_on):
+  ours, ref = adamw_pair(fraction, update_on)
+  params = mixed_params(jnp.bfloat16)
+  got, got_state, _ = train(ours, params, STEPS)
+  want, _, _ = train(ref, params, STEPS)
+  assert jax.tree.leaves(got_state[0].mu)[0].dtype == jnp.bfloat16
+  # Bitwise equal on CPU; other backends may round one bfloat16 step (2**-8) apart.
+  assert max_rel_diff(got, want) <= 2**-7
+
+
+@pytest.mark.parametrize("update_on", MODES)
+def test_mu_dtype_matches_optax(update_on):
+  ours, ref = adamw_pair(0.5, update_on, mu_dtype=jnp.bfloat16)
+  params = mixed_params()
+  got, got_state, _ = train(ours, params, STEPS)
+  want, _, _ = train(ref, params, STEPS)
+  assert {x.dtype for x in jax.tree.leaves(got_state[0].mu)} == {jnp.dtype(jnp.bfloat16)}
+  assert max_rel_diff(got, want) <= 1e-5
+
+
+def test_host_and_device_updates_agree():
+  params = mixed_params()
+  on_host, _, _ = train(adamw_pair(1.0, "host")[0], params, STEPS)
+  on_device, _, _ = train(adamw_pair(1.0, "device")[0], params, STEPS)
+  assert max_rel_diff(on_host, on_device) <= 1e-6
+
+
+def test_eager_matches_jit():
+  ours, ref = adamw_pair(0.5, "host")
+  params = mixed_params()
+  got, _, _ = train(ours, params, 3, jit=False)
+  want, _, _ = train(ref, params, 3)
+  assert max_rel_diff(got, want) <= 1e-5
+
+
+def test_streaming_in_many_chunks_matches_whole_leaves():
+  params = mixed_params()
+  chunked = jaxoffload.scale_by_offloaded_adam(update_on="device", chunk_bytes=64)
+  whole = jaxoffload.scale_by_offloaded_adam(update_on="device", chunk_bytes=2**30)
+  got, _, _ = train(chunked, params, 5)
+  want, _, _ = train(whole, params, 5)
+  assert max_rel_diff(got, want) <= 1e-6

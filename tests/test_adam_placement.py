@@ -1,0 +1,131 @@
+"""Where offload_adamw keeps its state: memory kinds, bytes per kind, compilation, sharding."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jaxoffload
+from tests.helpers import assert_moments_placed, max_rel_diff, mixed_params, moment_kinds, train
+
+MODES = ["host", "device"]
+
+
+@pytest.mark.parametrize("update_on", MODES)
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_offloaded_moments_stay_in_pinned_host(update_on, jit):
+  opt = jaxoffload.offload_adamw(1e-3, offload_fraction=0.5, update_on=update_on)
+  seen = []
+  # Plain donation, no out_shardings: safe here, as no device output of the step
+  # comes before an offloaded moment of the same shape without a donated input.
+  train(opt, mixed_params(), 3, jit=jit, on_state=lambda s: seen.append(moment_kinds(s[0])),
+        pin_out_shardings=False)
+  assert len(seen) == 4  # After init and after each of the three steps.
+  for kinds in seen:
+    assert {k for o, k in kinds if o} == {"pinned_host"}
+    assert {k for o, k in kinds if not o} == {"device"}
+
+
+@pytest.mark.parametrize("update_on", MODES)
+def test_second_step_does_not_recompile(update_on):
+  opt = jaxoffload.offload_adamw(1e-3, offload_fraction=0.5, update_on=update_on)
+  _, _, step = train(opt, mixed_params(), 3)
+  assert step._cache_size() == 1
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.25, 0.5, 1.0])
+def test_state_bytes_per_memory_kind_match_achieved_fraction(fraction):
+  params = mixed_params()
+  state = jaxoffload.offload_adamw(1e-3, offload_fraction=fraction).init(params)
+  plan = jaxoffload.find_offload_plan(state)
+  moments = (state[0].mu, state[0].nu)
+  by_kind = jaxoffload.bytes_by_memory_kind(moments)
+  itemsize = 4
+  assert by_kind.get("pinned_host", 0) == 2 * itemsize * plan.offloaded_elements
+  assert by_kind.get("device", 0) == 2 * itemsize * (plan.total_elements - plan.offloaded_elements)
+  scalar_elements = 1  # The 'scale' leaf, which stays on the device.
+  assert plan.offloaded_elements >= min(fraction * plan.total_elements,
+                                        plan.total_elements - scalar_elements)
+
+
+def test_scalar_leaves_stay_on_device():
+  params = {"w": jnp.zeros(8), "scale": jnp.zeros(())}
+  assert jaxoffload.plan_offload(params).offloaded_paths == ("w",)
+  assert jaxoffload.plan_offload(params, offload_mask=lambda p, x: True).offloaded_paths == ("w",)
+
+
+def test_plan_is_greedy_in_tree_order():
+  params = {"a": jnp.zeros(30), "b": jnp.zeros(60), "c": jnp.zeros(10)}
+  plan = jaxoffload.plan_offload(params, offload_fraction=0.25)
+  # 'a' (30 of 100) reaches 25%, so nothing after it goes.
+  assert plan.offloaded_paths == ("a",)
+  plan = jaxoffload.plan_offload(params, offload_fraction=0.4)
+  # After 'a' the share (30%) is still below 40%, so 'b' goes too.
+  assert plan.offloaded_paths == ("a", "b")
+  assert plan.fraction == pytest.approx(0.9)
+  assert "90.00%" in str(plan)
+
+
+def test_plan_from_mask_tree_and_predicate():
+  params = mixed_params()
+  by_path = jaxoffload.plan_offload(params, offload_mask=lambda path, leaf: path.startswith("layer/"))
+  assert by_path.offloaded_paths == ("layer/bias", "layer/kernel", "layer/out")
+  mask = jax.tree.map(lambda _: False, params)
+  mask["embed"] = True
+  by_tree = jaxoffload.plan_offload(params, offload_mask=mask)
+  assert by_tree.offloaded_paths == ("embed",)
+  state = jaxoffload.offload_adamw(1e-3, offload_mask=mask).init(params)
+  assert state[0].mu["embed"].sharding.memory_kind == "pinned_host"
+  assert state[0].mu["norm"].sharding.memory_kind == "device"
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, float("nan"), "half", True])
+def test_fraction_outside_range_is_refused(bad):
+  with pytest.raises(ValueError, match=r"offload_fraction must be .*\[0\.0, 1\.0\].*got"):
+    jaxoffload.offload_adamw(1e-3, offload_fraction=bad)
+
+
+def test_unknown_update_place_is_refused():
+  with pytest.raises(ValueError, match=r"update_on must be one of \('host', 'device'\), got 'gpu'"):
+    jaxoffload.scale_by_offloaded_adam(update_on="gpu")
+
+
+def test_integer_leaf_is_refused():
+  opt = jaxoffload.offload_adamw(1e-3)
+  with pytest.raises(ValueError, match=r"\['step'\] has dtype int32.*Allowed: float16, bfloat16"):
+    opt.init({"w": jnp.zeros(3), "step": jnp.zeros((), jnp.int32)})
+
+
+def test_mask_with_fraction_is_refused():
+  with pytest.raises(ValueError, match="offload_mask picks the offloaded leaves itself"):
+    jaxoffload.offload_adamw(1e-3, offload_fraction=0.5, offload_mask=lambda p, x: True)
+
+
+def test_mask_of_wrong_structure_is_refused():
+  with pytest.raises(ValueError, match="offload_mask must have the parameters' tree structure"):
+    jaxoffload.plan_offload({"a": jnp.zeros(2)}, offload_mask={"b": True})
+
+
+@pytest.mark.parametrize("update_on", MODES)
+def test_sharded_state_follows_parameter_sharding(update_on):
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("fsdp", "tensor"))
+  specs = {"embed": P("fsdp", "tensor"), "layer": {"kernel": P(None, "tensor"), "bias": P("tensor"),
+                                                   "out": P("tensor", "fsdp")},
+           "norm": P(), "scale": P()}
+  params = mixed_params()
+  sharded = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs)
+  opt = optax.chain(jaxoffload.scale_by_offloaded_adam(update_on=update_on, chunk_bytes=1024),
+                    optax.scale(-1e-2))
+  got, state, step = train(opt, sharded, 5)
+  want, _, _ = train(optax.chain(optax.scale_by_adam(), optax.scale(-1e-2)), params, 5)
+  assert max_rel_diff(got, want) <= 1e-5
+  assert step._cache_size() == 1
+  assert_moments_placed(state[0])
+  for moments in (state[0].mu, state[0].nu):
+    for x, spec in zip(jax.tree.leaves(moments), jax.tree.leaves(specs)):
+      kind = x.sharding.memory_kind
+      assert x.sharding.is_equivalent_to(NamedSharding(mesh, spec, memory_kind=kind), x.ndim)
+      # Each device's shard lives in that device's own memory of that kind.
+      assert {s.data.sharding.memory_kind for s in x.addressable_shards} == {kind}

@@ -1,0 +1,36 @@
+"""On a GPU: device-streamed updates hold at most a few chunks of host state in device memory."""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import jaxoffload
+
+pytestmark = pytest.mark.gpu
+
+
+def compiled_step(opt, params):
+  state = opt.init(params)
+
+  def step(params, state, grads):
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  shardings = jax.tree.map(lambda x: x.sharding, (params, state))
+  return jax.jit(step, donate_argnums=(0, 1), out_shardings=shardings).lower(
+      params, state, params).compile()
+
+
+@pytest.mark.parametrize("update_on", ["host", "device"])
+def test_offloaded_moments_leave_device_memory(update_on):
+  params = {f"w{i}": jnp.ones((4096, 4096), jnp.float32) for i in range(4)}  # 256 MiB each.
+  moment_bytes = 2 * sum(x.nbytes for x in params.values())
+  chunk = 8 * 2**20
+  baseline = compiled_step(optax.adamw(1e-3), params).memory_analysis()
+  offloaded = compiled_step(
+      optax.chain(jaxoffload.scale_by_offloaded_adam(update_on=update_on, chunk_bytes=chunk),
+                  optax.scale(-1e-3)), params).memory_analysis()
+  device_bytes = lambda a: a.argument_size_in_bytes + a.temp_size_in_bytes
+  saved = device_bytes(baseline) - device_bytes(offloaded)
+  assert saved >= 0.95 * moment_bytes, (saved, moment_bytes)
