@@ -34,7 +34,7 @@ def llama_shapes(layout: str) -> dict:
           "lm_head": (HIDDEN, VOCAB)}
 
 
-def measure(fraction: float, update_on: str, layout: str, steps: int) -> dict:
+def measure(fraction: float, update_on: str, layout: str, steps: int, chunk_mib: int) -> dict:
   """Builds params, gradients and state on the default device; times the donated step."""
   import jax
   import jax.numpy as jnp
@@ -52,26 +52,31 @@ def measure(fraction: float, update_on: str, layout: str, steps: int) -> dict:
     return treedef.unflatten([0.02 * jax.random.normal(k, s, jnp.float32) for k, s in zip(keys, leaves)])
 
   params = make(jax.random.PRNGKey(0))
-  grads = jax.tree.map(lambda p: p * 1e-2, make(jax.random.PRNGKey(1)))
   if fraction == 0.0 and update_on == "device":
     opt = optax.adamw(1e-4)  # The no-offload baseline: plain optax.
   else:
-    opt = jaxoffload.offload_adamw(1e-4, offload_fraction=fraction, update_on=update_on)
+    opt = optax.chain(  # offload_adamw, with the streaming chunk size of this run.
+        jaxoffload.scale_by_offloaded_adam(offload_fraction=fraction, update_on=update_on,
+                                           chunk_bytes=chunk_mib * 2**20),
+        optax.add_decayed_weights(1e-4), optax.scale_by_learning_rate(1e-4))
   state = opt.init(params)
   plan = None if fraction == 0.0 and update_on == "device" else jaxoffload.find_offload_plan(state)
 
-  def step(params, state, grads):
+  def step(params, state):
+    # Stands in for a backward pass: gradients materialised in device memory,
+    # dead once the update has read them.
+    grads = jax.lax.optimization_barrier(jax.tree.map(lambda p: 1e-2 * jnp.sin(p), params))
     updates, state = opt.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
   shardings = jax.tree.map(lambda x: x.sharding, (params, state))
   jitted = jax.jit(step, donate_argnums=(0, 1), out_shardings=shardings)
-  compiled = jitted.lower(params, state, grads).compile()
+  compiled = jitted.lower(params, state).compile()
   analysis = compiled.memory_analysis()
   times = []
   for _ in range(steps + 1):
     start = time.perf_counter()
-    params, state = jitted(params, state, grads)
+    params, state = jitted(params, state)
     jax.block_until_ready((params, state))
     times.append(time.perf_counter() - start)
   n_params = sum(x.size for x in jax.tree.leaves(params))
@@ -144,12 +149,14 @@ def main() -> None:
   parser.add_argument("--modes", default="host,device")
   parser.add_argument("--layout", choices=["stacked", "per-layer"], default="stacked")
   parser.add_argument("--steps", type=int, default=5)
+  parser.add_argument("--chunk-mib", type=int, default=16, help="update_on=device streaming chunk")
   parser.add_argument("--out", default="docs/benchmarks/optimizer_step")
   parser.add_argument("--child", nargs=2, metavar=("FRACTION", "MODE"), help=argparse.SUPPRESS)
   args = parser.parse_args()
 
   if args.child:
-    print(json.dumps(measure(float(args.child[0]), args.child[1], args.layout, args.steps)))
+    print(json.dumps(measure(float(args.child[0]), args.child[1], args.layout, args.steps,
+                             args.chunk_mib)))
     return
 
   runs = [(0.0, "device")] + [(float(f), m) for m in args.modes.split(",")
@@ -157,7 +164,7 @@ def main() -> None:
   results = []
   for fraction, mode in runs:
     out = subprocess.run([sys.executable, __file__, "--child", str(fraction), mode, "--layout",
-                          args.layout, "--steps", str(args.steps)],
+                          args.layout, "--steps", str(args.steps), "--chunk-mib", str(args.chunk_mib)],
                          capture_output=True, text=True, check=False)
     if out.returncode != 0:
       sys.stderr.write(out.stderr[-3000:])

@@ -17,6 +17,7 @@ import math
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 
 from jaxoffload._compat import HOST, on_host, to_device, to_host
 
@@ -26,6 +27,7 @@ ElementwiseFn = Callable[[Sequence[Any], Sequence[Any], Sequence[Any]],
 # How far above the smallest admissible chunk count to look for one that divides
 # the leaf evenly, before streaming the leaf whole.
 _DIVISOR_SEARCH_SPAN = 4
+_SCAN_UNROLL = int(__import__("os").environ.get("JAXOFFLOAD_SCAN_UNROLL", "1"))  # EXPERIMENT
 
 
 def run_on_host(fn: ElementwiseFn, scalars: Sequence[Any], device_inputs: Sequence[Any],
@@ -57,7 +59,10 @@ def run_streamed(fn: ElementwiseFn, scalars: Sequence[Any], device_inputs: Seque
 
   The pieces are the iterations of a ``lax.scan`` over the flattened leaf, so
   XLA cannot bring them all in at once: each piece is copied in, updated and
-  copied back before the next one's buffers are needed.
+  copied back before the next one's buffers are needed. Device outputs must
+  match the device inputs' shapes and dtypes: each overwrites its input's piece
+  in the loop carry, so a dead input's buffer (a gradient) holds the output and
+  no second leaf-sized device buffer is needed.
   """
   shape = device_inputs[0].shape
   size = math.prod(shape)
@@ -70,13 +75,17 @@ def run_streamed(fn: ElementwiseFn, scalars: Sequence[Any], device_inputs: Seque
   def split(x):
     return x.reshape(count, size // count)
 
-  def body(_, chunk):
-    device_chunk, host_chunk = chunk
-    device_out, host_out = fn(scalars, device_chunk, to_device(host_chunk))
-    return None, (tuple(device_out), tuple(to_host(tuple(host_out))))
+  def body(carry, host_chunk):
+    device_pieces, index = carry
+    device_in = tuple(jax.lax.dynamic_index_in_dim(x, index, keepdims=False) for x in device_pieces)
+    device_out, host_out = fn(scalars, device_in, to_device(host_chunk))
+    device_pieces = tuple(jax.lax.dynamic_update_index_in_dim(x, out, index, 0)
+                          for x, out in zip(device_pieces, device_out))
+    return (device_pieces, index + 1), tuple(to_host(tuple(host_out)))
 
-  _, (device_out, host_out) = jax.lax.scan(
-      body, None, (tuple(map(split, device_inputs)), tuple(map(split, host_inputs))))
+  carry = (tuple(map(split, device_inputs)), jnp.zeros((), jnp.int32))
+  (device_out, _), host_out = jax.lax.scan(body, carry, tuple(map(split, host_inputs)),
+                                           unroll=_SCAN_UNROLL)
   device_out = tuple(x.reshape(shape) for x in device_out)
   host_out = tuple(to_host(tuple(x.reshape(shape) for x in host_out)))
   return device_out, host_out

@@ -62,7 +62,10 @@ def test_mu_dtype_matches_optax(update_on):
   got, got_state, _ = train(ours, params, STEPS)
   want, _, _ = train(ref, params, STEPS)
   assert {x.dtype for x in jax.tree.leaves(got_state[0].mu)} == {jnp.dtype(jnp.bfloat16)}
-  assert max_rel_diff(got, want) <= 1e-5
+  # Rounding mu to bfloat16 turns a last-bit float32 difference between the host
+  # CPU's and a GPU's arithmetic into a bfloat16 step; on one backend they agree.
+  same_backend = update_on == "device" or jax.default_backend() == "cpu"
+  assert max_rel_diff(got, want) <= (1e-5 if same_backend else 1e-3)
 
 
 def test_host_and_device_updates_agree():
