@@ -17,7 +17,6 @@ import math
 from typing import Any, Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 
 from jaxoffload._compat import HOST, on_host, to_device, to_host
 
@@ -27,7 +26,6 @@ ElementwiseFn = Callable[[Sequence[Any], Sequence[Any], Sequence[Any]],
 # How far above the smallest admissible chunk count to look for one that divides
 # the leaf evenly, before streaming the leaf whole.
 _DIVISOR_SEARCH_SPAN = 4
-_SCAN_UNROLL = int(__import__("os").environ.get("JAXOFFLOAD_SCAN_UNROLL", "1"))  # EXPERIMENT
 
 
 def run_on_host(fn: ElementwiseFn, scalars: Sequence[Any], device_inputs: Sequence[Any],
@@ -57,12 +55,13 @@ def run_streamed(fn: ElementwiseFn, scalars: Sequence[Any], device_inputs: Seque
                  ) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
   """Runs ``fn`` on the device, bringing host inputs in ``chunk_bytes`` pieces.
 
-  The pieces are the iterations of a ``lax.scan`` over the flattened leaf, so
-  XLA cannot bring them all in at once: each piece is copied in, updated and
-  copied back before the next one's buffers are needed. Device outputs must
-  match the device inputs' shapes and dtypes: each overwrites its input's piece
-  in the loop carry, so a dead input's buffer (a gradient) holds the output and
-  no second leaf-sized device buffer is needed.
+  The pieces are the iterations of a ``lax.fori_loop`` over the flattened
+  leaf, so XLA cannot bring them all in at once: each piece is copied in,
+  updated and copied back before the next one's buffers are needed. Every
+  output overwrites its input's piece in the loop carry (device outputs must
+  match the device inputs' shapes and dtypes): donated host state is updated
+  in place, and a dead device input's buffer (a gradient) holds the output, so
+  neither side needs a second leaf-sized buffer or a copy into one.
   """
   shape = device_inputs[0].shape
   size = math.prod(shape)
@@ -75,17 +74,21 @@ def run_streamed(fn: ElementwiseFn, scalars: Sequence[Any], device_inputs: Seque
   def split(x):
     return x.reshape(count, size // count)
 
-  def body(carry, host_chunk):
-    device_pieces, index = carry
-    device_in = tuple(jax.lax.dynamic_index_in_dim(x, index, keepdims=False) for x in device_pieces)
-    device_out, host_out = fn(scalars, device_in, to_device(host_chunk))
-    device_pieces = tuple(jax.lax.dynamic_update_index_in_dim(x, out, index, 0)
-                          for x, out in zip(device_pieces, device_out))
-    return (device_pieces, index + 1), tuple(to_host(tuple(host_out)))
+  def piece(x, index):
+    return jax.lax.dynamic_index_in_dim(x, index, keepdims=False)
 
-  carry = (tuple(map(split, device_inputs)), jnp.zeros((), jnp.int32))
-  (device_out, _), host_out = jax.lax.scan(body, carry, tuple(map(split, host_inputs)),
-                                           unroll=_SCAN_UNROLL)
+  def put(x, value, index):
+    return jax.lax.dynamic_update_index_in_dim(x, value, index, 0)
+
+  def body(index, carry):
+    device_pieces, host_pieces = carry
+    device_out, host_out = fn(scalars, tuple(piece(x, index) for x in device_pieces),
+                              to_device(tuple(piece(x, index) for x in host_pieces)))
+    return (tuple(map(put, device_pieces, device_out, [index] * len(device_out))),
+            tuple(map(put, host_pieces, to_host(tuple(host_out)), [index] * len(host_out))))
+
+  device_out, host_out = jax.lax.fori_loop(
+      0, count, body, (tuple(map(split, device_inputs)), tuple(map(split, to_host(tuple(host_inputs))))))
   device_out = tuple(x.reshape(shape) for x in device_out)
   host_out = tuple(to_host(tuple(x.reshape(shape) for x in host_out)))
   return device_out, host_out
