@@ -106,14 +106,16 @@ def scale_by_offloaded_adam(
                         offload_mask=offload_mask)
 
     def zeros(leaf, offloaded, dtype=None):
-      if not offloaded:
-        return jnp.zeros_like(leaf, dtype=dtype)
-      if isinstance(leaf, jax.core.Tracer) or not hasattr(leaf, "sharding"):
-        return to_host(jnp.zeros_like(leaf, dtype=dtype))
-      # Concrete parameters: fill host memory straight from host zeros, so that
-      # init never holds the offloaded moments in device memory, even briefly.
-      host_sharding = leaf.sharding.with_memory_kind(PINNED_HOST)
-      return jax.device_put(np.zeros(leaf.shape, dtype or leaf.dtype), host_sharding)
+      dtype = dtype or leaf.dtype
+      sharding = None if isinstance(leaf, jax.core.Tracer) else getattr(leaf, "sharding", None)
+      if sharding is None:  # Traced: jit's sharding propagation places the zeros.
+        moment = jnp.zeros(leaf.shape, dtype)
+        return to_host(moment) if offloaded else moment
+      if offloaded:
+        # Filled from host zeros, so init never holds offloaded moments in
+        # device memory, even briefly.
+        return jax.device_put(np.zeros(leaf.shape, dtype), sharding.with_memory_kind(PINNED_HOST))
+      return jnp.zeros(leaf.shape, dtype, device=sharding)
 
     mu = jax.tree.map(lambda p, o: zeros(p, o, mu_dtype), params, plan.mask)
     nu = jax.tree.map(zeros, params, plan.mask)

@@ -109,15 +109,17 @@ def test_mask_of_wrong_structure_is_refused():
 
 
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (the CPU backend has them in CI)")
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
 @pytest.mark.parametrize("update_on", MODES)
-def test_sharded_state_follows_parameter_sharding(update_on):
+def test_sharded_state_follows_parameter_sharding(update_on, fraction):
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("fsdp", "tensor"))
   specs = {"embed": P("fsdp", "tensor"), "layer": {"kernel": P(None, "tensor"), "bias": P("tensor"),
                                                    "out": P("tensor", "fsdp")},
            "norm": P(), "scale": P()}
   params = mixed_params()
   sharded = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs)
-  opt = optax.chain(jaxoffload.scale_by_offloaded_adam(update_on=update_on, chunk_bytes=1024),
+  opt = optax.chain(jaxoffload.scale_by_offloaded_adam(offload_fraction=fraction, update_on=update_on,
+                                                       chunk_bytes=1024),
                     optax.scale(-1e-2))
   got, state, step = train(opt, sharded, 5)
   want, _, _ = train(optax.chain(optax.scale_by_adam(), optax.scale(-1e-2)), params, 5)
