@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -58,7 +58,7 @@ def scale_by_offloaded_adam(
     update_on: str = "host",
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> optax.GradientTransformation:
-  """Scales updates by Adam, exactly as ``optax.scale_by_adam``, with moments partly in host memory.
+  """Scales updates by Adam with ``optax.scale_by_adam``'s arithmetic, with moments partly in host memory.
 
   The moments (``mu`` and ``nu``) of the leaves chosen by ``offload_fraction``
   (see ``plan_offload``) or by ``offload_mask`` live in ``pinned_host`` memory;
@@ -74,9 +74,10 @@ def scale_by_offloaded_adam(
     offload_mask: picks the offloaded leaves instead (a pytree of bools, or
       ``fn(path, leaf) -> bool``); leave ``offload_fraction`` at 1.0 with it.
     update_on: where offloaded leaves update. ``"host"``: gradients go to host
-      memory, the host CPU updates the moments in place and only the scaled
+      memory, the host CPU updates the moments there and only the scaled
       update comes back. ``"device"``: the moments stream through the device in
-      ``chunk_bytes`` pieces and go back. Both give the same numbers.
+      ``chunk_bytes`` pieces and go back. Both run the same arithmetic; on a
+      GPU, its rounding and the host CPU's can differ in the last bit.
     chunk_bytes: with ``update_on="device"``, the most host state brought to
       the device at once, per leaf.
 
@@ -85,9 +86,13 @@ def scale_by_offloaded_adam(
     ``print(jaxoffload.find_offload_plan(state))`` shows the achieved share.
 
   Example:
-    >>> opt = scale_by_offloaded_adam(offload_fraction=0.5)
+    >>> opt = optax.chain(scale_by_offloaded_adam(offload_fraction=0.5), optax.scale(-1e-3))
     >>> state = opt.init(params)
-    >>> updates, state = jax.jit(opt.update, donate_argnums=1)(grads, state)
+    >>> def step(params, state, grads):
+    ...   updates, state = opt.update(grads, state, params)
+    ...   return optax.apply_updates(params, updates), state
+    >>> shardings = jax.tree.map(lambda x: x.sharding, (params, state))
+    >>> step = jax.jit(step, donate_argnums=(0, 1), out_shardings=shardings)
   """
   _check_update_on(update_on)
   if not isinstance(offload_fraction, jax.core.Tracer):
@@ -137,7 +142,7 @@ def scale_by_offloaded_adam(
 
     # Hyperparameters given as arrays (optax.inject_hyperparams) are operands the
     # host path must receive in host memory; Python numbers stay compile-time
-    # constants, so the arithmetic matches optax's to the bit.
+    # constants, as in optax, so that 1 - b1 is rounded as optax rounds it.
     hyper = {"b1": b1, "b2": b2, "eps": eps}
     dynamic = tuple(k for k, v in hyper.items() if not _is_static_number(v))
     scalars = (count_inc, *(jnp.asarray(hyper[k]) for k in dynamic))
@@ -154,14 +159,16 @@ def scale_by_offloaded_adam(
       direction = mu_hat / (jnp.sqrt(nu_hat + 0.0) + h["eps"])
       return (direction,), (otu.tree_cast(new_mu, mu_dtype), new_nu.astype(nu.dtype))
 
-    run = _RUNNERS[update_on]
     directions, new_mu, new_nu = [], [], []
     for g, mu, nu, offloaded in zip(grads, treedef.flatten_up_to(state.mu),
                                     treedef.flatten_up_to(state.nu), plan.offloaded):
-      if offloaded:
-        (direction,), (mu, nu) = run(adam, scalars, (g,), (mu, nu), chunk_bytes=chunk_bytes)
-      else:
+      if not offloaded:
         (direction,), (mu, nu) = adam(scalars, (g,), (mu, nu))
+      elif update_on == "host":
+        (direction,), (mu, nu) = run_on_host(adam, scalars, (g,), (mu, nu))
+      else:
+        (direction,), (mu, nu) = run_streamed(adam, scalars, (g,), (mu, nu),
+                                              chunk_bytes=chunk_bytes)
       directions.append(direction)
       new_mu.append(mu)
       new_nu.append(nu)
@@ -170,14 +177,6 @@ def scale_by_offloaded_adam(
     return treedef.unflatten(directions), new_state
 
   return optax.GradientTransformation(init_fn, update_fn)
-
-
-def _run_on_host(fn, scalars, device_in, host_in, *, chunk_bytes):
-  del chunk_bytes  # The host path holds nothing in device memory.
-  return run_on_host(fn, scalars, device_in, host_in)
-
-
-_RUNNERS: dict[str, Callable[..., Any]] = {"host": _run_on_host, "device": run_streamed}
 
 
 def offload_adamw(

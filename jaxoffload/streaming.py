@@ -33,7 +33,7 @@ def run_on_host(fn: ElementwiseFn, scalars: Sequence[Any], device_inputs: Sequen
   """Runs ``fn`` on the host; returns device outputs on the device, host outputs on the host."""
   host_fn = on_host(fn, out_memory_spaces=HOST)
   device_out, host_out = host_fn(to_host(tuple(scalars)), to_host(tuple(device_inputs)),
-                                 tuple(host_inputs))
+                                 to_host(tuple(host_inputs)))
   return tuple(to_device(tuple(device_out))), tuple(to_host(tuple(host_out)))
 
 
