@@ -3,14 +3,20 @@
 from jaxoffload.adam import ScaleByOffloadedAdamState, offload_adamw, scale_by_offloaded_adam
 from jaxoffload.memory import bytes_by_memory_kind, peak_device_bytes
 from jaxoffload.placement import OffloadPlan, find_offload_plan, plan_offload
+from jaxoffload.remat import ACTIVATION_NAMES, LayerGroup, Placement, layer_groups, remat_policy
 
 __all__ = [
+    "ACTIVATION_NAMES",
+    "LayerGroup",
     "OffloadPlan",
+    "Placement",
     "ScaleByOffloadedAdamState",
     "bytes_by_memory_kind",
     "find_offload_plan",
+    "layer_groups",
     "offload_adamw",
     "peak_device_bytes",
     "plan_offload",
+    "remat_policy",
     "scale_by_offloaded_adam",
 ]

@@ -1,0 +1,121 @@
+"""The named activations of a transformer layer and where each goes between forward and backward.
+
+This module is the single source of truth for activation names: the model tags
+its tensors with ``checkpoint_name(x, name)`` for the names below, and the remat
+policies here decide, name by name, whether a tensor is saved in device memory,
+offloaded to ``pinned_host`` memory, or dropped and recomputed in the backward
+pass. Anything a layer computes without a name is recomputed under any policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Callable, Mapping, Optional, Union
+
+import jax
+
+
+class Placement(str, enum.Enum):
+  """Where a named activation waits between the forward and the backward pass."""
+
+  SAVE = "save"  # Kept in device memory.
+  OFFLOAD = "offload"  # Copied to pinned_host after the forward, back for the backward.
+  RECOMPUTE = "recompute"  # Dropped; the backward pass computes it again.
+
+
+# In the order a layer computes them.
+ACTIVATION_NAMES = (
+    "layer_input",  # The residual stream entering the layer.
+    "query_proj",  # Queries after the projection and rotary embedding.
+    "key_proj",  # Keys after the projection and rotary embedding.
+    "value_proj",  # Values after the projection.
+    "attention_out",  # The attention kernel's output, before the output projection.
+    "mlp_input",  # The residual stream after attention, before the MLP's norm.
+    "mlp_gate",  # The gate projection, before its activation.
+    "mlp_up",  # The up projection.
+    "mlp_out",  # The MLP's down projection.
+)
+
+# What a layer group uses: one placement per name, or None to save every
+# intermediate (no rematerialisation at all).
+Placements = Optional[Mapping[str, Union[Placement, str]]]
+
+SAVE_EVERYTHING: Placements = None
+RECOMPUTE_ALL = {name: Placement.RECOMPUTE for name in ACTIVATION_NAMES}
+OFFLOAD_ALL = {name: Placement.OFFLOAD for name in ACTIVATION_NAMES}
+
+
+def check_placements(placements: Mapping[str, Union[Placement, str]]) -> dict[str, Placement]:
+  """Returns a placement for every activation name; names left out are recomputed.
+
+  Raises:
+    ValueError: naming an unknown activation name or placement.
+  """
+  unknown = sorted(set(placements) - set(ACTIVATION_NAMES))
+  if unknown:
+    raise ValueError(f"unknown activation names {unknown}; known: {list(ACTIVATION_NAMES)}")
+  checked = {}
+  for name in ACTIVATION_NAMES:
+    value = placements.get(name, Placement.RECOMPUTE)
+    try:
+      checked[name] = Placement(value)
+    except ValueError:
+      raise ValueError(f"placement of {name!r} must be one of "
+                       f"{[p.value for p in Placement]}, got {value!r}") from None
+  return checked
+
+
+def remat_policy(placements: Mapping[str, Union[Placement, str]]) -> Callable[..., object]:
+  """The ``jax.checkpoint`` policy that places each named activation as asked.
+
+  Example:
+    >>> policy = remat_policy({"query_proj": "offload", "layer_input": "save"})
+    >>> layer = jax.checkpoint(layer_fn, policy=policy)
+  """
+  checked = check_placements(placements)
+  saved = [name for name, p in checked.items() if p is Placement.SAVE]
+  offloaded = [name for name, p in checked.items() if p is Placement.OFFLOAD]
+  if not offloaded:
+    return jax.checkpoint_policies.save_only_these_names(*saved)
+  return jax.checkpoint_policies.save_and_offload_only_these_names(
+      names_which_can_be_saved=saved, names_which_can_be_offloaded=offloaded,
+      offload_src="device", offload_dst="pinned_host")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerGroup:
+  """Consecutive layers ``[start, stop)`` that share one activation placement."""
+
+  start: int
+  stop: int
+  placements: Placements
+
+  def wrap(self, layer_fn: Callable[..., object]) -> Callable[..., object]:
+    """``layer_fn`` under this group's remat policy (unchanged when saving everything)."""
+    if self.placements is None:
+      return layer_fn
+    return jax.checkpoint(layer_fn, policy=remat_policy(self.placements), prevent_cse=False)
+
+
+def layer_groups(num_layers: int, *, offload_num_layers: int = 0,
+                 offload_placements: Mapping[str, Union[Placement, str]] = OFFLOAD_ALL,
+                 base_placements: Placements = SAVE_EVERYTHING) -> tuple[LayerGroup, ...]:
+  """Splits the layers into the first ``offload_num_layers`` and the rest.
+
+  With Megatron-Bridge's meaning of ``cpu_offloading_num_layers = N``: layers
+  ``[0, N)`` use ``offload_placements``, layers ``[N, num_layers)`` use
+  ``base_placements`` (save everything, or recompute under
+  ``recompute_granularity="full"``). Empty groups are left out.
+
+  Raises:
+    ValueError: if ``offload_num_layers`` is outside [0, num_layers - 1], with
+      the reference's bounds.
+  """
+  if not 0 <= offload_num_layers < num_layers:
+    raise ValueError(
+        f"cpu_offloading_num_layers must be in [0, num_layers - 1] = [0, {num_layers - 1}], "
+        f"got {offload_num_layers}")
+  groups = (LayerGroup(0, offload_num_layers, offload_placements),
+            LayerGroup(offload_num_layers, num_layers, base_placements))
+  return tuple(g for g in groups if g.stop > g.start)
