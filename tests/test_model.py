@@ -1,0 +1,86 @@
+"""The Llama model: its loss and gradients do not depend on where activations wait."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxoffload import remat
+from jaxoffload.model import Llama, LlamaConfig, next_token_loss, regroup
+from tests.helpers import max_rel_diff
+
+CONFIG = LlamaConfig()
+SAVE_ALL = remat.layer_groups(CONFIG.num_layers)
+MODES = {
+    "recompute": remat.layer_groups(CONFIG.num_layers, base_placements=remat.RECOMPUTE_ALL),
+    "offload-1": remat.layer_groups(CONFIG.num_layers, offload_num_layers=1),
+    "offload-all-but-one": remat.layer_groups(CONFIG.num_layers,
+                                              offload_num_layers=CONFIG.num_layers - 1),
+    "per-name-mix": remat.layer_groups(
+        CONFIG.num_layers, offload_num_layers=2,
+        offload_placements={"query_proj": "offload", "key_proj": "offload", "value_proj": "offload",
+                            "layer_input": "save", "mlp_out": "recompute"},
+        base_placements={"attention_out": "save", "mlp_gate": "offload"}),
+}
+
+
+def tokens(seed=0, batch=2):
+  return jax.random.randint(jax.random.PRNGKey(seed), (batch, 32), 0, CONFIG.vocab_size)
+
+
+def loss_and_grads(groups, params, batch):
+  model = Llama(CONFIG, groups)
+
+  def loss(params):
+    return next_token_loss(model.apply({"params": params}, batch), batch)
+
+  return jax.jit(jax.value_and_grad(loss))(regroup(params, groups))
+
+
+@pytest.fixture(scope="module")
+def reference():
+  params = Llama(CONFIG, SAVE_ALL).init(jax.random.PRNGKey(0), tokens())["params"]
+  return params, loss_and_grads(SAVE_ALL, params, tokens(1))
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_loss_and_gradients_equal_saving_everything(mode, reference):
+  params, (want_loss, want_grads) = reference
+  loss, grads = loss_and_grads(MODES[mode], params, tokens(1))
+  assert abs(float(loss) - float(want_loss)) <= 1e-5 * abs(float(want_loss))
+  assert max_rel_diff(regroup(grads, SAVE_ALL), want_grads) <= 1e-5
+
+
+def test_initial_loss_is_near_uniform_guessing(reference):
+  _, (loss, _) = reference
+  assert abs(float(loss) - np.log(CONFIG.vocab_size)) < 0.1
+
+
+def test_regroup_keeps_the_weights():
+  params = Llama(CONFIG, SAVE_ALL).init(jax.random.PRNGKey(0), tokens())["params"]
+  split = regroup(params, MODES["offload-1"])
+  assert sorted(k for k in split if k.startswith("layers")) == ["layers_0_1", "layers_1_4"]
+  assert split["layers_0_1"]["mlp"]["up"]["kernel"].shape[0] == 1
+  assert max_rel_diff(regroup(split, SAVE_ALL), params) == 0.0
+
+
+def test_tied_embeddings_have_no_head():
+  config = LlamaConfig(tie_embeddings=True)
+  params = Llama(config, SAVE_ALL).init(jax.random.PRNGKey(0), tokens())["params"]
+  assert "lm_head" not in params
+  logits = Llama(config, SAVE_ALL).apply({"params": params}, tokens())
+  assert logits.shape == (2, 32, config.vocab_size)
+
+
+def test_only_offload_modes_send_activations_to_host(reference):
+  params, _ = reference
+
+  def host_values(groups):
+    model = Llama(CONFIG, groups)
+    grad = jax.grad(lambda p: next_token_loss(model.apply({"params": p}, tokens(1)), tokens(1)))
+    return str(jax.make_jaxpr(grad)(regroup(params, groups))).count("<host>")
+
+  assert host_values(MODES["offload-1"]) > 0
+  assert host_values(MODES["per-name-mix"]) > 0
+  assert host_values(SAVE_ALL) == 0
+  assert host_values(MODES["recompute"]) == 0
