@@ -3,7 +3,8 @@
 The layers are ``nn.scan``-ned over a stacked layer axis 0, one scan per
 ``remat.LayerGroup``: with ``cpu_offloading_num_layers = N`` the first N layers
 form one stack and the rest another, so each group can have its own remat
-policy (and, being its own parameter leaves, its own memory kind). ``regroup``
+policy and, being its own parameter leaves, its own memory kind: a group with
+``offload_weights`` keeps its stack in pinned_host. ``regroup``
 moves parameters between groupings, so runs with different N start from the
 same weights.
 """
@@ -19,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxoffload._compat import to_device
 from jaxoffload.remat import LayerGroup, remat_policy
 
 
@@ -138,7 +140,11 @@ class Llama(nn.Module):
     for group in self.groups:
       layer = DecoderLayer
       if group.placements is not None:
-        layer = nn.remat(DecoderLayer, policy=remat_policy(group.placements), prevent_cse=False)
+        layer = nn.remat(layer, policy=remat_policy(group.placements), prevent_cse=False)
+      if group.offload_weights:
+        # Inside the scan each layer's slice of the host-resident stack comes to
+        # the device just before use; its gradient goes back to host memory.
+        layer = nn.map_variables(layer, "params", trans_in_fn=to_device, init=True)
       stack = nn.scan(layer, variable_axes={"params": 0}, split_rngs={"params": True},
                       length=group.stop - group.start)
       x, _ = stack(c, name=group_name(group))(x, None)

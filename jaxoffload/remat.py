@@ -85,11 +85,19 @@ def remat_policy(placements: Mapping[str, Union[Placement, str]]) -> Callable[..
 
 @dataclasses.dataclass(frozen=True)
 class LayerGroup:
-  """Consecutive layers ``[start, stop)`` that share one activation placement."""
+  """Consecutive layers ``[start, stop)`` that share one activation placement.
+
+  Attributes:
+    start, stop: the layers, ``[start, stop)``.
+    placements: one ``Placement`` per activation name, or None to save all.
+    offload_weights: the group's weights live in pinned_host and come to the
+      device one layer at a time, in the forward and the backward pass.
+  """
 
   start: int
   stop: int
   placements: Placements
+  offload_weights: bool = False
 
   def wrap(self, layer_fn: Callable[..., object]) -> Callable[..., object]:
     """``layer_fn`` under this group's remat policy (unchanged when saving everything)."""
@@ -99,14 +107,17 @@ class LayerGroup:
 
 
 def layer_groups(num_layers: int, *, offload_num_layers: int = 0,
-                 offload_placements: Mapping[str, Union[Placement, str]] = OFFLOAD_ALL,
-                 base_placements: Placements = SAVE_EVERYTHING) -> tuple[LayerGroup, ...]:
+                 offload_placements: Placements = OFFLOAD_ALL,
+                 base_placements: Placements = SAVE_EVERYTHING,
+                 offload_weights: bool = False) -> tuple[LayerGroup, ...]:
   """Splits the layers into the first ``offload_num_layers`` and the rest.
 
   With Megatron-Bridge's meaning of ``cpu_offloading_num_layers = N``: layers
   ``[0, N)`` use ``offload_placements``, layers ``[N, num_layers)`` use
   ``base_placements`` (save everything, or recompute under
-  ``recompute_granularity="full"``). Empty groups are left out.
+  ``recompute_granularity="full"``). With ``offload_weights`` (Megatron's
+  ``cpu_offloading_weights``) the first group's weights live in pinned_host.
+  Empty groups are left out.
 
   Raises:
     ValueError: if ``offload_num_layers`` is outside [0, num_layers - 1], with
@@ -116,6 +127,6 @@ def layer_groups(num_layers: int, *, offload_num_layers: int = 0,
     raise ValueError(
         f"cpu_offloading_num_layers must be in [0, num_layers - 1] = [0, {num_layers - 1}], "
         f"got {offload_num_layers}")
-  groups = (LayerGroup(0, offload_num_layers, offload_placements),
+  groups = (LayerGroup(0, offload_num_layers, offload_placements, offload_weights),
             LayerGroup(offload_num_layers, num_layers, base_placements))
   return tuple(g for g in groups if g.stop > g.start)

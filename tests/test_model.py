@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from jaxoffload import remat
-from jaxoffload.model import Llama, LlamaConfig, next_token_loss, regroup
+from jaxoffload._compat import to_device, to_host
+from jaxoffload.model import Llama, LlamaConfig, group_name, next_token_loss, regroup
 from tests.helpers import max_rel_diff
 
 CONFIG = LlamaConfig()
@@ -21,11 +22,22 @@ MODES = {
         offload_placements={"query_proj": "offload", "key_proj": "offload", "value_proj": "offload",
                             "layer_input": "save", "mlp_out": "recompute"},
         base_placements={"attention_out": "save", "mlp_gate": "offload"}),
+    "weights-offload": remat.layer_groups(CONFIG.num_layers, offload_num_layers=2,
+                                          offload_weights=True),
 }
 
 
 def tokens(seed=0, batch=2):
   return jax.random.randint(jax.random.PRNGKey(seed), (batch, 32), 0, CONFIG.vocab_size)
+
+
+def place(params, groups):
+  """``params`` cut at ``groups``, with weight-offloaded groups in pinned_host."""
+  params = regroup(params, groups)
+  for group in groups:
+    if group.offload_weights:
+      params[group_name(group)] = jax.tree.map(to_host, params[group_name(group)])
+  return params
 
 
 def loss_and_grads(groups, params, batch):
@@ -34,7 +46,8 @@ def loss_and_grads(groups, params, batch):
   def loss(params):
     return next_token_loss(model.apply({"params": params}, batch), batch)
 
-  return jax.jit(jax.value_and_grad(loss))(regroup(params, groups))
+  loss, grads = jax.jit(jax.value_and_grad(loss))(place(params, groups))
+  return loss, to_device(grads)
 
 
 @pytest.fixture(scope="module")
@@ -78,9 +91,22 @@ def test_only_offload_modes_send_activations_to_host(reference):
   def host_values(groups):
     model = Llama(CONFIG, groups)
     grad = jax.grad(lambda p: next_token_loss(model.apply({"params": p}, tokens(1)), tokens(1)))
-    return str(jax.make_jaxpr(grad)(regroup(params, groups))).count("<host>")
+    return str(jax.make_jaxpr(grad)(place(params, groups))).count("<host>")
 
   assert host_values(MODES["offload-1"]) > 0
   assert host_values(MODES["per-name-mix"]) > 0
+  assert host_values(MODES["weights-offload"]) > 0
   assert host_values(SAVE_ALL) == 0
   assert host_values(MODES["recompute"]) == 0
+
+
+def test_offloaded_weights_and_their_gradients_stay_in_pinned_host(reference):
+  params, _ = reference
+  groups = MODES["weights-offload"]
+  model = Llama(CONFIG, groups)
+  placed = place(params, groups)
+  grads = jax.jit(jax.grad(lambda p: next_token_loss(model.apply({"params": p}, tokens(1)),
+                                                     tokens(1))))(placed)
+  for tree in (placed["layers_0_2"], grads["layers_0_2"]):
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(tree)} == {"pinned_host"}
+  assert {x.sharding.memory_kind for x in jax.tree.leaves(grads["layers_2_4"])} == {"device"}
