@@ -53,7 +53,8 @@ class RMSNorm(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.config.param_dtype)
+    init = nn.with_logical_partitioning(nn.initializers.ones, ("norm",))
+    scale = self.param("scale", init, (x.shape[-1],), self.config.param_dtype)
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.config.norm_eps)
     return (normed * scale.astype(jnp.float32)).astype(self.config.dtype)
@@ -69,10 +70,11 @@ def rotary(x: jax.Array, theta: float) -> jax.Array:
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def _dense(features, config: LlamaConfig, name: str, axis=-1) -> nn.DenseGeneral:
-  return nn.DenseGeneral(features, axis=axis, use_bias=False, dtype=config.dtype,
-                         param_dtype=config.param_dtype, name=name,
-                         kernel_init=nn.initializers.normal(0.02))
+def _dense(features: int, config: LlamaConfig, name: str,
+           logical_axes: tuple[str, str]) -> nn.Dense:
+  init = nn.with_logical_partitioning(nn.initializers.normal(0.02), logical_axes)
+  return nn.Dense(features, use_bias=False, dtype=config.dtype, param_dtype=config.param_dtype,
+                  name=name, kernel_init=init)
 
 
 class Attention(nn.Module):
@@ -83,14 +85,18 @@ class Attention(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     c = self.config
-    q = _dense((c.num_heads, c.head_dim), c, "query")(x)
-    k = _dense((c.num_kv_heads, c.head_dim), c, "key")(x)
-    v = _dense((c.num_kv_heads, c.head_dim), c, "value")(x)
+    heads = lambda y, n: y.reshape(*y.shape[:-1], n, c.head_dim)
+    q = heads(_dense(c.num_heads * c.head_dim, c, "query", ("embed", "heads"))(x), c.num_heads)
+    k = heads(_dense(c.num_kv_heads * c.head_dim, c, "key", ("embed", "kv_heads"))(x),
+              c.num_kv_heads)
+    v = heads(_dense(c.num_kv_heads * c.head_dim, c, "value", ("embed", "kv_heads"))(x),
+              c.num_kv_heads)
     q = checkpoint_name(rotary(q, c.rope_theta), "query_proj")
     k = checkpoint_name(rotary(k, c.rope_theta), "key_proj")
     v = checkpoint_name(v, "value_proj")
     out = checkpoint_name(jax.nn.dot_product_attention(q, k, v, is_causal=True), "attention_out")
-    return _dense(c.hidden_size, c, "out", axis=(-2, -1))(out)
+    out = out.reshape(*out.shape[:-2], c.num_heads * c.head_dim)
+    return _dense(c.hidden_size, c, "out", ("heads", "embed"))(out)
 
 
 class MLP(nn.Module):
@@ -101,9 +107,10 @@ class MLP(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     c = self.config
-    gate = checkpoint_name(_dense(c.intermediate_size, c, "gate")(x), "mlp_gate")
-    up = checkpoint_name(_dense(c.intermediate_size, c, "up")(x), "mlp_up")
-    return checkpoint_name(_dense(c.hidden_size, c, "down")(nn.silu(gate) * up), "mlp_out")
+    gate = checkpoint_name(_dense(c.intermediate_size, c, "gate", ("embed", "mlp"))(x), "mlp_gate")
+    up = checkpoint_name(_dense(c.intermediate_size, c, "up", ("embed", "mlp"))(x), "mlp_up")
+    down = _dense(c.hidden_size, c, "down", ("mlp", "embed"))
+    return checkpoint_name(down(nn.silu(gate) * up), "mlp_out")
 
 
 class DecoderLayer(nn.Module):
@@ -113,11 +120,15 @@ class DecoderLayer(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, _: None) -> tuple[jax.Array, None]:
-    x = checkpoint_name(x, "layer_input")
+    x = checkpoint_name(nn.with_logical_constraint(x, ACTIVATION_AXES), "layer_input")
     x = x + Attention(self.config, name="attention")(RMSNorm(self.config, name="attention_norm")(x))
     x = checkpoint_name(x, "mlp_input")
     x = x + MLP(self.config, name="mlp")(RMSNorm(self.config, name="mlp_norm")(x))
     return x, None
+
+
+# Logical axes of the residual stream; mesh axes come from sharding.LOGICAL_RULES.
+ACTIVATION_AXES = ("batch", "length", "embed_activation")
 
 
 def group_name(group: LayerGroup) -> str:
@@ -135,7 +146,9 @@ class Llama(nn.Module):
   def __call__(self, tokens: jax.Array) -> jax.Array:
     c = self.config
     embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=c.dtype, param_dtype=c.param_dtype,
-                     embedding_init=nn.initializers.normal(0.02), name="embed")
+                     embedding_init=nn.with_logical_partitioning(nn.initializers.normal(0.02),
+                                                                 ("vocab", "embed")),
+                     name="embed")
     x = embed(tokens)
     for group in self.groups:
       layer = DecoderLayer
@@ -146,19 +159,40 @@ class Llama(nn.Module):
         # the device just before use; its gradient goes back to host memory.
         layer = nn.map_variables(layer, "params", trans_in_fn=to_device, init=True)
       stack = nn.scan(layer, variable_axes={"params": 0}, split_rngs={"params": True},
-                      length=group.stop - group.start)
+                      length=group.stop - group.start,
+                      metadata_params={nn.PARTITION_NAME: "layers"})
       x, _ = stack(c, name=group_name(group))(x, None)
     x = RMSNorm(c, name="final_norm")(x)
     if c.tie_embeddings:
       return embed.attend(x).astype(jnp.float32)
-    return _dense(c.vocab_size, c, "lm_head")(x).astype(jnp.float32)
+    return _dense(c.vocab_size, c, "lm_head", ("embed", "vocab"))(x).astype(jnp.float32)
+
+
+def logical_param_specs(model: Llama, tokens: jax.Array) -> Any:
+  """The parameters' logical ``PartitionSpec``s, found without allocating them."""
+  boxed = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), tokens)["params"])
+  return nn.get_partition_spec(boxed)
+
+
+def init_params(model: Llama, key: jax.Array, tokens: jax.Array, shardings: Any = None) -> Any:
+  """Initialises the parameters under ``jax.jit``, placed by ``shardings`` when given.
+
+  Example:
+    >>> specs = logical_param_specs(model, tokens)
+    >>> params = init_params(model, key, tokens, sharding.logical_shardings(mesh, specs))
+  """
+  init = jax.jit(lambda key: nn.meta.unbox(model.init(key, tokens)["params"]),
+                 out_shardings=shardings)
+  return init(key)
 
 
 def next_token_loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:
   """Mean cross-entropy of predicting ``tokens[:, 1:]`` from ``logits[:, :-1]``."""
   log_probs = jax.nn.log_softmax(logits[:, :-1], axis=-1)
-  picked = jnp.take_along_axis(log_probs, tokens[:, 1:, None], axis=-1)
-  return -jnp.mean(picked)
+  # A one-hot product rather than a gather keeps the work local to each shard
+  # when the vocabulary is sharded.
+  targets = jax.nn.one_hot(tokens[:, 1:], logits.shape[-1], dtype=log_probs.dtype)
+  return -jnp.mean(jnp.sum(log_probs * targets, axis=-1))
 
 
 _GROUP_NAME = re.compile(r"layers_(\d+)_(\d+)")
