@@ -3,7 +3,8 @@
 from jaxoffload.adam import ScaleByOffloadedAdamState, offload_adamw, scale_by_offloaded_adam
 from jaxoffload.memory import bytes_by_memory_kind, peak_device_bytes
 from jaxoffload.placement import OffloadPlan, find_offload_plan, plan_offload
-from jaxoffload.remat import ACTIVATION_NAMES, LayerGroup, Placement, layer_groups, remat_policy
+from jaxoffload.remat import (ACTIVATION_NAMES, LayerGroup, Placement, layer_groups,
+                              megatron_layer_groups, remat_policy)
 
 __all__ = [
     "ACTIVATION_NAMES",
@@ -14,6 +15,7 @@ __all__ = [
     "bytes_by_memory_kind",
     "find_offload_plan",
     "layer_groups",
+    "megatron_layer_groups",
     "offload_adamw",
     "peak_device_bytes",
     "plan_offload",

@@ -130,3 +130,51 @@ def layer_groups(num_layers: int, *, offload_num_layers: int = 0,
   groups = (LayerGroup(0, offload_num_layers, offload_placements, offload_weights),
             LayerGroup(offload_num_layers, num_layers, base_placements))
   return tuple(g for g in groups if g.stop > g.start)
+
+
+RECOMPUTE_GRANULARITIES = (None, "full")
+
+
+def megatron_layer_groups(num_layers: int, *, cpu_offloading: bool = False,
+                          cpu_offloading_num_layers: int = 0,
+                          cpu_offloading_activations: bool = True,
+                          cpu_offloading_weights: bool = False,
+                          recompute_granularity: Optional[str] = None,
+                          fine_grained_activation_offloading: bool = False,
+                          offload_placements: Placements = OFFLOAD_ALL) -> tuple[LayerGroup, ...]:
+  """Layer groups from Megatron-Bridge's ``model.*`` offload settings, checked by its rules.
+
+  Args:
+    num_layers: transformer layers in the model.
+    cpu_offloading: the master switch of activation (and weight) offload.
+    cpu_offloading_num_layers: how many leading layers offload, in [0, num_layers - 1].
+    cpu_offloading_activations: offload those layers' named activations.
+    cpu_offloading_weights: keep those layers' weights in pinned_host.
+    recompute_granularity: None, or "full" to recompute every layer's activations.
+    fine_grained_activation_offloading: Megatron's module-level offload, which
+      excludes layer-level offload (and is not implemented here).
+    offload_placements: what the offloaded layers do with each named activation.
+
+  Returns:
+    The groups for ``model.Llama``.
+
+  Raises:
+    ValueError: with the reference's wording, for a combination it refuses.
+  """
+  if recompute_granularity not in RECOMPUTE_GRANULARITIES:
+    raise ValueError(f"recompute_granularity must be one of {list(RECOMPUTE_GRANULARITIES)}, "
+                     f"got {recompute_granularity!r}")
+  base = RECOMPUTE_ALL if recompute_granularity == "full" else SAVE_EVERYTHING
+  if fine_grained_activation_offloading:
+    if cpu_offloading:
+      raise ValueError("fine_grained_activation_offloading cannot be enabled with cpu_offloading.")
+    raise ValueError("fine_grained_activation_offloading is not implemented in jaxoffload; "
+                     "use cpu_offloading with per-name offload_placements instead")
+  if not cpu_offloading:
+    return layer_groups(num_layers, base_placements=base)
+  if recompute_granularity is not None:
+    raise ValueError("CPU offloading does not work when activation recomputation is enabled")
+  return layer_groups(
+      num_layers, offload_num_layers=cpu_offloading_num_layers,
+      offload_placements=offload_placements if cpu_offloading_activations else SAVE_EVERYTHING,
+      base_placements=base, offload_weights=cpu_offloading_weights)

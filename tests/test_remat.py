@@ -86,3 +86,32 @@ def test_offload_policy_sends_named_residuals_to_host():
   assert host_values(remat.layer_groups(2, offload_num_layers=1)) > 0
   assert host_values(remat.layer_groups(2)) == 0
   assert host_values(remat.layer_groups(2, base_placements=remat.RECOMPUTE_ALL)) == 0
+
+
+def test_megatron_settings_make_the_expected_groups():
+  assert remat.megatron_layer_groups(4) == remat.layer_groups(4)
+  full = remat.megatron_layer_groups(4, recompute_granularity="full")
+  assert [g.placements for g in full] == [remat.RECOMPUTE_ALL]
+  groups = remat.megatron_layer_groups(4, cpu_offloading=True, cpu_offloading_num_layers=3,
+                                       cpu_offloading_weights=True)
+  assert [(g.start, g.stop, g.offload_weights) for g in groups] == [(0, 3, True), (3, 4, False)]
+  assert groups[0].placements == remat.OFFLOAD_ALL and groups[1].placements is None
+  weights_only = remat.megatron_layer_groups(4, cpu_offloading=True, cpu_offloading_num_layers=2,
+                                             cpu_offloading_activations=False,
+                                             cpu_offloading_weights=True)
+  assert weights_only[0].placements is None and weights_only[0].offload_weights
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(cpu_offloading=True, cpu_offloading_num_layers=1, recompute_granularity="full"),
+     "CPU offloading does not work when activation recomputation is enabled"),
+    (dict(cpu_offloading=True, fine_grained_activation_offloading=True),
+     "fine_grained_activation_offloading cannot be enabled with cpu_offloading."),
+    (dict(cpu_offloading=True, cpu_offloading_num_layers=4),
+     r"cpu_offloading_num_layers must be in \[0, num_layers - 1\] = \[0, 3\], got 4"),
+    (dict(recompute_granularity="selective"),
+     r"recompute_granularity must be one of \[None, 'full'\], got 'selective'"),
+])
+def test_megatron_rules_refuse_with_the_reference_wording(settings, message):
+  with pytest.raises(ValueError, match=message):
+    remat.megatron_layer_groups(4, **settings)
