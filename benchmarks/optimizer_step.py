@@ -9,32 +9,33 @@ device memory is its own. Writes JSON and a markdown table.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import statistics
-import subprocess
 import sys
 import time
 
-# TinyLlama-1.1B: vocab 32000, hidden 2048, intermediate 5632, 22 layers, 32 heads, 4 kv heads.
-VOCAB, HIDDEN, INTER, LAYERS, KV_DIM = 32000, 2048, 5632, 22, 256
+from common import median, metadata, run_children, time_steps, write_report
+
+# (vocab, hidden, intermediate, layers, kv heads x head dim). TinyLlama-1.1B, and a
+# miniature of it for a smoke test on a CPU.
+SIZES = {"tinyllama": (32000, 2048, 5632, 22, 256), "miniature": (256, 64, 176, 4, 32)}
 
 
-def llama_shapes(layout: str) -> dict:
+def llama_shapes(layout: str, size: str = "tinyllama") -> dict:
   """Parameter shapes of the model, layers stacked on axis 0 or one subtree per layer."""
-  layer = {"q": (HIDDEN, HIDDEN), "k": (HIDDEN, KV_DIM), "v": (HIDDEN, KV_DIM), "o": (HIDDEN, HIDDEN),
-           "gate": (HIDDEN, INTER), "up": (HIDDEN, INTER), "down": (INTER, HIDDEN),
-           "attn_norm": (HIDDEN,), "mlp_norm": (HIDDEN,)}
+  vocab, hidden, inter, layers_count, kv_dim = SIZES[size]
+  layer = {"q": (hidden, hidden), "k": (hidden, kv_dim), "v": (hidden, kv_dim), "o": (hidden, hidden),
+           "gate": (hidden, inter), "up": (hidden, inter), "down": (inter, hidden),
+           "attn_norm": (hidden,), "mlp_norm": (hidden,)}
   if layout == "stacked":
-    layers = {name: (LAYERS, *shape) for name, shape in layer.items()}
+    layers = {name: (layers_count, *shape) for name, shape in layer.items()}
   else:
-    layers = {f"{i:02d}": dict(layer) for i in range(LAYERS)}
-  return {"embed": (VOCAB, HIDDEN), "layers": layers, "final_norm": (HIDDEN,),
-          "lm_head": (HIDDEN, VOCAB)}
+    layers = {f"{i:02d}": dict(layer) for i in range(layers_count)}
+  return {"embed": (vocab, hidden), "layers": layers, "final_norm": (hidden,),
+          "lm_head": (hidden, vocab)}
 
 
-def measure(fraction: float, update_on: str, layout: str, steps: int, chunk_mib: int) -> dict:
+def measure(fraction: float, update_on: str, layout: str, size: str, steps: int,
+            chunk_mib: int) -> dict:
   """Builds params, gradients and state on the default device; times the donated step."""
   import jax
   import jax.numpy as jnp
@@ -42,7 +43,7 @@ def measure(fraction: float, update_on: str, layout: str, steps: int, chunk_mib:
 
   import jaxoffload
 
-  shapes = llama_shapes(layout)
+  shapes = llama_shapes(layout, size)
   is_shape = lambda x: isinstance(x, tuple)
 
   @jax.jit
@@ -73,15 +74,17 @@ def measure(fraction: float, update_on: str, layout: str, steps: int, chunk_mib:
   jitted = jax.jit(step, donate_argnums=(0, 1), out_shardings=shardings)
   compiled = jitted.lower(params, state).compile()
   analysis = compiled.memory_analysis()
-  times = []
-  for _ in range(steps + 1):
-    start = time.perf_counter()
-    params, state = jitted(params, state)
-    jax.block_until_ready((params, state))
-    times.append(time.perf_counter() - start)
+  carry = [params, state]
+
+  def run_step():
+    carry[:] = jitted(*carry)
+    return carry
+
+  times = time_steps(run_step, steps)
+  params, state = carry
   n_params = sum(x.size for x in jax.tree.leaves(params))
   offloaded = plan.offloaded_elements if plan else 0
-  step_s = statistics.median(times[1:])
+  step_s = median(times)
   return {
       "fraction_asked": fraction,
       "fraction_achieved": offloaded / n_params,
@@ -89,7 +92,7 @@ def measure(fraction: float, update_on: str, layout: str, steps: int, chunk_mib:
       "params": n_params,
       "offloaded_moment_bytes": 2 * 4 * offloaded,
       "step_s_median": step_s,
-      "step_s_all": times[1:],
+      "step_s_all": times,
       "peak_device_bytes": jaxoffload.peak_device_bytes(),
       "state_bytes_by_kind": jaxoffload.bytes_by_memory_kind(state),
       "xla_temp_bytes": getattr(analysis, "temp_size_in_bytes", None),
@@ -148,6 +151,7 @@ def main() -> None:
   parser.add_argument("--fractions", default="0,0.25,0.5,1.0")
   parser.add_argument("--modes", default="host,device")
   parser.add_argument("--layout", choices=["stacked", "per-layer"], default="stacked")
+  parser.add_argument("--size", choices=sorted(SIZES), default="tinyllama")
   parser.add_argument("--steps", type=int, default=5)
   parser.add_argument("--chunk-mib", type=int, default=16, help="update_on=device streaming chunk")
   parser.add_argument("--out", default="docs/benchmarks/optimizer_step")
@@ -155,38 +159,18 @@ def main() -> None:
   args = parser.parse_args()
 
   if args.child:
-    print(json.dumps(measure(float(args.child[0]), args.child[1], args.layout, args.steps,
-                             args.chunk_mib)))
+    print(json.dumps(measure(float(args.child[0]), args.child[1], args.layout, args.size,
+                             args.steps, args.chunk_mib)))
     return
 
-  runs = [(0.0, "device")] + [(float(f), m) for m in args.modes.split(",")
-                              for f in args.fractions.split(",") if float(f) > 0]
-  results = []
-  for fraction, mode in runs:
-    out = subprocess.run([sys.executable, __file__, "--child", str(fraction), mode, "--layout",
-                          args.layout, "--steps", str(args.steps), "--chunk-mib", str(args.chunk_mib)],
-                         capture_output=True, text=True, check=False)
-    if out.returncode != 0:
-      sys.stderr.write(out.stderr[-3000:])
-      raise SystemExit(f"run fraction={fraction} update_on={mode} failed")
-    results.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    print(json.dumps({k: results[-1][k] for k in ("update_on", "fraction_asked", "step_s_median",
-                                                   "peak_device_bytes")}), flush=True)
-
-  import jax
-  meta = {
-      "device": jax.devices()[0].device_kind, "jax": jax.__version__, "host_cores": os.cpu_count(),
-      "date": datetime.date.today().isoformat(), "layout": args.layout, "params": results[0]["params"],
-      "command": "python " + " ".join(sys.argv),
-      "torch_fused_adamw_params_per_s": torch_fused_adamw_rate(),
-  }
-  os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-  with open(args.out + ".json", "w") as f:
-    json.dump({"meta": meta, "results": results}, f, indent=1)
-  table = markdown(results, meta)
-  with open(args.out + ".md", "w") as f:
-    f.write(table)
-  print(table)
+  settings = [("0.0", "device")] + [(f, m) for m in args.modes.split(",")
+                                    for f in args.fractions.split(",") if float(f) > 0]
+  results = run_children(__file__, settings, ["--layout", args.layout, "--size", args.size,
+                                              "--steps", str(args.steps),
+                                              "--chunk-mib", str(args.chunk_mib)])
+  meta = {**metadata(sys.argv), "layout": args.layout, "params": results[0]["params"],
+          "torch_fused_adamw_params_per_s": torch_fused_adamw_rate()}
+  write_report(args.out, meta, results, markdown(results, meta))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,151 @@
+"""Memory and time of one training step's forward and backward pass, per activation placement.
+
+Each mode runs in a fresh process. A mode is ``save``, ``recompute``, or
+``offload:N:PRESET`` (the first N layers offload the activations PRESET names,
+the rest save everything). Reports XLA's compiled memory estimate, measured
+peak device memory, the activation bytes the arithmetic says offload moves,
+and the median step time.
+
+  python benchmarks/activation_offload.py --out docs/benchmarks/activation_offload
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from common import median, metadata, run_children, time_steps, write_report
+
+# Activations each preset sends to host memory; the others are recomputed.
+PRESETS = {
+    "all": ("layer_input", "query_proj", "key_proj", "value_proj", "attention_out", "mlp_input",
+            "mlp_gate", "mlp_up", "mlp_out"),
+    "qkv": ("query_proj", "key_proj", "value_proj"),
+    "residual": ("layer_input", "mlp_input"),
+    "qkv_residual": ("layer_input", "query_proj", "key_proj", "value_proj", "mlp_input"),
+}
+SIZES = {
+    # TinyLlama-1.1B.
+    "tinyllama": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_layers=22,
+                      num_heads=32, num_kv_heads=4),
+    "miniature": dict(vocab_size=256, hidden_size=64, intermediate_size=176, num_layers=4,
+                      num_heads=4, num_kv_heads=2),
+}
+
+
+def groups_for(mode: str, num_layers: int):
+  from jaxoffload import remat
+
+  if mode == "save":
+    return remat.layer_groups(num_layers)
+  if mode == "recompute":
+    return remat.layer_groups(num_layers, base_placements=remat.RECOMPUTE_ALL)
+  _, n, preset = mode.split(":")
+  return remat.layer_groups(num_layers, offload_num_layers=int(n),
+                            offload_placements={name: "offload" for name in PRESETS[preset]})
+
+
+def activation_bytes_per_layer(config, batch: int, seq: int) -> dict[str, int]:
+  """Bytes of each named activation of one layer, in the compute dtype."""
+  import jax.numpy as jnp
+
+  tokens = batch * seq * jnp.dtype(config.dtype).itemsize
+  hidden, kv = config.hidden_size, config.num_kv_heads * config.head_dim
+  return {"layer_input": tokens * hidden, "query_proj": tokens * hidden, "key_proj": tokens * kv,
+          "value_proj": tokens * kv, "attention_out": tokens * hidden, "mlp_input": tokens * hidden,
+          "mlp_gate": tokens * config.intermediate_size, "mlp_up": tokens * config.intermediate_size,
+          "mlp_out": tokens * hidden}
+
+
+def measure(mode: str, size: str, batch: int, seq: int, steps: int) -> dict:
+  import jax
+  import jax.numpy as jnp
+
+  import jaxoffload
+  from jaxoffload.model import Llama, LlamaConfig, init_params, next_token_loss, regroup
+
+  config = LlamaConfig(**SIZES[size], max_seq_len=seq, dtype=jnp.bfloat16)
+  groups = groups_for(mode, config.num_layers)
+  model = Llama(config, groups)
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (batch, seq), 0, config.vocab_size)
+  # Initialised as one stack, then cut at this mode's groups: every mode starts
+  # from the same weights, so their losses must agree.
+  one_stack = Llama(config, groups_for("save", config.num_layers))
+  params = regroup(init_params(one_stack, jax.random.PRNGKey(0), tokens), groups)
+
+  def loss(params, tokens):
+    return next_token_loss(model.apply({"params": params}, tokens), tokens)
+
+  step = jax.jit(jax.value_and_grad(loss))
+  analysis = step.lower(params, tokens).compile().memory_analysis()
+  losses = []
+
+  def run_step():
+    value, grads = step(params, tokens)
+    losses.append(value)
+    return grads
+
+  times = time_steps(run_step, steps)
+  per_layer = activation_bytes_per_layer(config, batch, seq)
+  offloaded = sum(
+      (g.stop - g.start) * per_layer[name] for g in groups if g.placements
+      for name, placement in g.placements.items() if placement == "offload")
+  return {
+      "mode": mode, "step_s_median": median(times), "step_s_all": times,
+      "loss": float(losses[-1]), "peak_device_bytes": jaxoffload.peak_device_bytes(),
+      "xla_temp_bytes": getattr(analysis, "temp_size_in_bytes", None),
+      "xla_host_temp_bytes": getattr(analysis, "host_temp_size_in_bytes", None),
+      "predicted_offloaded_bytes": offloaded,
+      "params": sum(x.size for x in jax.tree.leaves(params)),
+  }
+
+
+def markdown(results: list[dict], meta: dict) -> str:
+  gib = 2**30
+  base = next((r for r in results if r["mode"] == "save"), results[0])
+  lines = [
+      f"# Forward and backward, {meta['size']} at {meta['batch']} x {meta['seq']} tokens, bf16 compute",
+      "",
+      f"Device: {meta['device']}; JAX {meta['jax']}; {meta['date']}.",
+      f"Command: `{meta['command']}`",
+      "",
+      "| mode | step (s) | vs save | peak device (GiB) | XLA temp (GiB) | predicted offload (GiB) | "
+      "peak saved / offloaded | loss |",
+      "|---|---|---|---|---|---|---|---|",
+  ]
+  for r in results:
+    peak, base_peak = r["peak_device_bytes"], base["peak_device_bytes"]
+    saved = (base_peak - peak) / r["predicted_offloaded_bytes"] if (
+        peak and base_peak and r["predicted_offloaded_bytes"]) else float("nan")
+    lines.append(
+        f"| {r['mode']} | {r['step_s_median']:.4f} | {r['step_s_median'] / base['step_s_median']:.2f} "
+        f"| {(peak or 0) / gib:.2f} | {(r['xla_temp_bytes'] or 0) / gib:.2f} "
+        f"| {r['predicted_offloaded_bytes'] / gib:.2f} | {saved:.2f} | {r['loss']:.6f} |")
+  return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--modes", default="save,recompute,offload:11:all,offload:20:all,"
+                                         "offload:20:qkv,offload:20:residual,offload:20:qkv_residual")
+  parser.add_argument("--size", choices=sorted(SIZES), default="tinyllama")
+  parser.add_argument("--batch", type=int, default=8)
+  parser.add_argument("--seq", type=int, default=2048)
+  parser.add_argument("--steps", type=int, default=5)
+  parser.add_argument("--out", default="docs/benchmarks/activation_offload")
+  parser.add_argument("--child", nargs=1, metavar="MODE", help=argparse.SUPPRESS)
+  args = parser.parse_args()
+  if args.child:
+    print(json.dumps(measure(args.child[0], args.size, args.batch, args.seq, args.steps)))
+    return
+  results = run_children(__file__, [(m,) for m in args.modes.split(",")],
+                         ["--size", args.size, "--batch", str(args.batch), "--seq", str(args.seq),
+                          "--steps", str(args.steps)])
+  meta = {**metadata(sys.argv), "size": args.size, "batch": args.batch, "seq": args.seq}
+  write_report(args.out, meta, results, markdown(results, meta))
+
+
+if __name__ == "__main__":
+  main()
