@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxoffload._compat import to_device
-from jaxoffload.remat import LayerGroup, remat_policy
+from jaxoffload.remat import LayerGroup
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,12 +152,15 @@ class Llama(nn.Module):
     x = embed(tokens)
     for group in self.groups:
       layer = DecoderLayer
-      if group.placements is not None:
-        layer = nn.remat(layer, policy=remat_policy(group.placements), prevent_cse=False)
       if group.offload_weights:
         # Inside the scan each layer's slice of the host-resident stack comes to
         # the device just before use; its gradient goes back to host memory.
+        # Fetched inside the remat below, so the backward pass fetches it again
+        # instead of keeping every layer's device copy alive.
         layer = nn.map_variables(layer, "params", trans_in_fn=to_device, init=True)
+      policy = group.policy()
+      if policy is not None:
+        layer = nn.remat(layer, policy=policy, prevent_cse=False)
       stack = nn.scan(layer, variable_axes={"params": 0}, split_rngs={"params": True},
                       length=group.stop - group.start,
                       metadata_params={nn.PARTITION_NAME: "layers"})

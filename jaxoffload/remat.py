@@ -42,6 +42,7 @@ ACTIVATION_NAMES = (
 Placements = Optional[Mapping[str, Union[Placement, str]]]
 
 SAVE_EVERYTHING: Placements = None
+SAVE_NAMED = {name: Placement.SAVE for name in ACTIVATION_NAMES}
 RECOMPUTE_ALL = {name: Placement.RECOMPUTE for name in ACTIVATION_NAMES}
 OFFLOAD_ALL = {name: Placement.OFFLOAD for name in ACTIVATION_NAMES}
 
@@ -99,11 +100,22 @@ class LayerGroup:
   placements: Placements
   offload_weights: bool = False
 
+  def policy(self) -> Optional[Callable[..., object]]:
+    """The group's ``jax.checkpoint`` policy; None when nothing needs rematerialising."""
+    if self.placements is not None:
+      return remat_policy(self.placements)
+    if self.offload_weights:
+      # Saving the named activations only: saving everything would keep the
+      # device copies of the weights (and their casts) for the backward pass.
+      return remat_policy(SAVE_NAMED)
+    return None
+
   def wrap(self, layer_fn: Callable[..., object]) -> Callable[..., object]:
-    """``layer_fn`` under this group's remat policy (unchanged when saving everything)."""
-    if self.placements is None:
+    """``layer_fn`` under this group's remat policy (unchanged when there is none)."""
+    policy = self.policy()
+    if policy is None:
       return layer_fn
-    return jax.checkpoint(layer_fn, policy=remat_policy(self.placements), prevent_cse=False)
+    return jax.checkpoint(layer_fn, policy=policy, prevent_cse=False)
 
 
 def layer_groups(num_layers: int, *, offload_num_layers: int = 0,

@@ -139,3 +139,19 @@ def test_sharded_over_a_mesh_matches_one_device(mode, reference):
   assert max_rel_diff(regroup(to_device(grads), SAVE_ALL), want_grads) <= 1e-5
   kernel = grads[group_name(groups[0])]["mlp"]["up"]["kernel"]
   assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
+
+
+def test_offloaded_weights_are_fetched_again_not_saved_for_the_backward(reference, capsys):
+  params, _ = reference
+  groups = remat.megatron_layer_groups(CONFIG.num_layers, cpu_offloading=True,
+                                       cpu_offloading_num_layers=2,
+                                       cpu_offloading_activations=False, cpu_offloading_weights=True)
+  model = Llama(CONFIG, groups)
+  jax.ad_checkpoint.print_saved_residuals(
+      lambda p: next_token_loss(model.apply({"params": p}, tokens(1)), tokens(1)),
+      place(params, groups))
+  residuals = capsys.readouterr().out
+  # Device copies of the offloaded group's up kernels, stacked over its 2 layers.
+  device_up_kernels = f"f32[2,{CONFIG.hidden_size},{CONFIG.intermediate_size}] output of scan"
+  host_up_kernels = f"f32<host>[2,{CONFIG.hidden_size},{CONFIG.intermediate_size}] from the argument"
+  assert host_up_kernels in residuals and device_up_kernels not in residuals
