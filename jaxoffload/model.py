@@ -4,9 +4,9 @@ The layers are ``nn.scan``-ned over a stacked layer axis 0, one scan per
 ``remat.LayerGroup``: with ``cpu_offloading_num_layers = N`` the first N layers
 form one stack and the rest another, so each group can have its own remat
 policy and, being its own parameter leaves, its own memory kind: a group with
-``offload_weights`` keeps its stack in pinned_host. ``regroup``
-moves parameters between groupings, so runs with different N start from the
-same weights.
+``offload_weights`` keeps its stack in pinned_host. ``regroup`` moves
+parameters between groupings, so runs with different N start from the same
+weights.
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxoffload._compat import to_device
 from jaxoffload.remat import LayerGroup
+
+# Logical axes of the residual stream; mesh axes come from sharding.LOGICAL_RULES.
+ACTIVATION_AXES = ("batch", "length", "embed_activation")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,10 +128,6 @@ class DecoderLayer(nn.Module):
     x = checkpoint_name(x, "mlp_input")
     x = x + MLP(self.config, name="mlp")(RMSNorm(self.config, name="mlp_norm")(x))
     return x, None
-
-
-# Logical axes of the residual stream; mesh axes come from sharding.LOGICAL_RULES.
-ACTIVATION_AXES = ("batch", "length", "embed_activation")
 
 
 def group_name(group: LayerGroup) -> str:
