@@ -1,0 +1,243 @@
+"""Typed training configuration with Megatron-Bridge's key names, loaded from YAML and checked once.
+
+``load_config(path, overrides)`` reads a YAML file, applies ``section.key=value``
+overrides, and checks every key's name and type and every rule of the reference
+system before anything is compiled. Problems raise ``ConfigError`` with one
+message that names the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from typing import Any, Optional, Sequence
+
+import yaml
+
+from jaxoffload import remat
+from jaxoffload.placement import check_fraction
+
+
+class ConfigError(ValueError):
+  """A configuration the trainer refuses; the message names the key and what is allowed."""
+
+
+@dataclasses.dataclass
+class ModelConfig:
+  """``model.*``: sizes, dtypes and activation offload (Megatron-Bridge names)."""
+
+  vocab_size: int = 256
+  hidden_size: int = 64
+  intermediate_size: int = 176
+  num_layers: int = 4
+  num_attention_heads: int = 4
+  num_query_groups: int = 2  # Key/value heads.
+  seq_length: int = 64
+  dtype: str = "float32"  # Compute dtype: float32 or bfloat16.
+  params_dtype: str = "float32"
+  share_embeddings_and_output_weights: bool = False
+  cpu_offloading: bool = False
+  cpu_offloading_num_layers: int = 0
+  cpu_offloading_activations: bool = True
+  cpu_offloading_weights: bool = False
+  recompute_granularity: Optional[str] = None
+  fine_grained_activation_offloading: bool = False
+  pipeline_model_parallel_size: int = 1
+  cuda_graph_impl: str = "none"
+
+
+@dataclasses.dataclass
+class OptimizerConfig:
+  """``optimizer.*``: AdamW, its schedule and clipping, and optimizer offload."""
+
+  lr: float = 3e-3
+  min_lr: float = 3e-4
+  lr_warmup_iters: int = 10
+  lr_decay_style: str = "cosine"
+  adam_beta1: float = 0.9
+  adam_beta2: float = 0.95
+  adam_eps: float = 1e-8
+  weight_decay: float = 0.1
+  clip_grad: float = 1.0
+  optimizer_cpu_offload: bool = False
+  optimizer_offload_fraction: float = 0.0
+  overlap_cpu_optimizer_d2h_h2d: bool = False
+  optimizer_offload_update_on: str = "device"  # Where offloaded moments update: host or device.
+
+
+@dataclasses.dataclass
+class TrainConfig:
+  """``train.*``: steps, batch sizes (gradient accumulation when they differ) and seed."""
+
+  train_iters: int = 100
+  global_batch_size: int = 8
+  micro_batch_size: int = 8
+  seed: int = 0
+
+
+@dataclasses.dataclass
+class MeshConfig:
+  """``mesh.*``: how many devices along each mesh axis."""
+
+  data: int = 1
+  fsdp: int = 1
+  tensor: int = 1
+
+
+@dataclasses.dataclass
+class Config:
+  """The whole configuration."""
+
+  model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+  optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+  train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+  mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+
+
+DTYPES = ("float32", "bfloat16")
+CUDA_GRAPH_IMPLS = ("none", "local", "transformer_engine")
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
+UPDATE_PLACES = ("host", "device")
+
+
+def _sections() -> dict[str, type]:
+  return {f.name: typing.get_type_hints(Config)[f.name] for f in dataclasses.fields(Config)}
+
+
+def _closest(name: str, candidates: Sequence[str]) -> str:
+  match = difflib.get_close_matches(name, candidates, n=1, cutoff=0.5)
+  return f"; did you mean {match[0]!r}?" if match else f"; valid: {', '.join(candidates)}"
+
+
+def _coerce(key: str, value: Any, expected: Any) -> Any:
+  """``value`` as the field's type (ints widen to floats), or a ConfigError naming the key."""
+  allowed = typing.get_args(expected) if typing.get_origin(expected) is typing.Union else (expected,)
+  if value is None and type(None) in allowed:
+    return None
+  for kind in allowed:
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+      return float(value)
+    if kind is float and isinstance(value, str):
+      # YAML reads 3e-4 (no dot) as a string; a float field takes it as the number.
+      try:
+        return float(value)
+      except ValueError:
+        pass
+    if kind is not type(None) and type(value) is kind:
+      return value
+  names = " or ".join("null" if kind is type(None) else kind.__name__ for kind in allowed)
+  raise ConfigError(f"{key} must be {names}, got {value!r} ({type(value).__name__})")
+
+
+def _set(config: Config, dotted: str, value: Any) -> None:
+  section_name, _, key = dotted.partition(".")
+  sections = _sections()
+  if section_name not in sections or not key:
+    raise ConfigError(f"unknown config key {dotted!r}" + _closest(
+        section_name, [f"{s}." for s in sections]))
+  section = getattr(config, section_name)
+  hints = typing.get_type_hints(type(section))
+  if key not in hints:
+    raise ConfigError(f"unknown config key {dotted!r}" + _closest(
+        dotted, [f"{section_name}.{k}" for k in hints]))
+  setattr(section, key, _coerce(dotted, value, hints[key]))
+
+
+def _flatten(tree: Any, prefix: str = "") -> list[tuple[str, Any]]:
+  if not isinstance(tree, dict):
+    return [(prefix, tree)]
+  if prefix.count(".") >= 1:
+    raise ConfigError(f"config key {prefix!r} takes a value, not a mapping")
+  items = []
+  for key, value in tree.items():
+    items += _flatten(value, f"{prefix}.{key}" if prefix else str(key))
+  return items
+
+
+def _check_one_of(key: str, value: Any, allowed: Sequence[Any]) -> None:
+  if value not in allowed:
+    raise ConfigError(f"{key} must be one of {list(allowed)}, got {value!r}")
+
+
+def validate(config: Config) -> tuple[remat.LayerGroup, ...]:
+  """Checks every rule of the reference system; returns the model's layer groups.
+
+  Raises:
+    ConfigError: with the reference's wording where it has one.
+  """
+  m, o = config.model, config.optimizer
+  _check_one_of("model.dtype", m.dtype, DTYPES)
+  _check_one_of("model.params_dtype", m.params_dtype, DTYPES)
+  _check_one_of("model.cuda_graph_impl", m.cuda_graph_impl, CUDA_GRAPH_IMPLS)
+  _check_one_of("optimizer.lr_decay_style", o.lr_decay_style, LR_DECAY_STYLES)
+  _check_one_of("optimizer.optimizer_offload_update_on", o.optimizer_offload_update_on,
+                UPDATE_PLACES)
+  if m.cpu_offloading and m.pipeline_model_parallel_size > 1:
+    raise ConfigError("Currently there is no support for Pipeline parallelism with CPU offloading")
+  if m.pipeline_model_parallel_size != 1:
+    raise ConfigError("model.pipeline_model_parallel_size must be 1: jaxoffload has no pipeline "
+                      "parallelism; shard over mesh.fsdp and mesh.tensor instead")
+  if m.cpu_offloading and m.cuda_graph_impl != "none":
+    raise ConfigError("CUDA graphs not supported with CPU offloading.")
+  for key, value in (("train.train_iters", config.train.train_iters),
+                     ("train.global_batch_size", config.train.global_batch_size),
+                     ("train.micro_batch_size", config.train.micro_batch_size)):
+    if value < 1:
+      raise ConfigError(f"{key} must be at least 1, got {value}")
+  if config.train.global_batch_size % config.train.micro_batch_size:
+    raise ConfigError(
+        f"train.global_batch_size ({config.train.global_batch_size}) must be a multiple of "
+        f"train.micro_batch_size ({config.train.micro_batch_size})")
+  try:
+    check_fraction(o.optimizer_offload_fraction)
+  except ValueError:
+    raise ConfigError(f"optimizer.optimizer_offload_fraction must be in [0.0, 1.0], got "
+                      f"{o.optimizer_offload_fraction!r}") from None
+  try:
+    return remat.megatron_layer_groups(
+        m.num_layers, cpu_offloading=m.cpu_offloading,
+        cpu_offloading_num_layers=m.cpu_offloading_num_layers,
+        cpu_offloading_activations=m.cpu_offloading_activations,
+        cpu_offloading_weights=m.cpu_offloading_weights,
+        recompute_granularity=m.recompute_granularity,
+        fine_grained_activation_offloading=m.fine_grained_activation_offloading)
+  except ValueError as error:
+    raise ConfigError(str(error)) from None
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+  """``"optimizer.lr=3e-4"`` as ``("optimizer.lr", 3e-4)``; values are read as YAML."""
+  key, sep, raw = text.partition("=")
+  if not sep or not key:
+    raise ConfigError(f"override {text!r} must look like section.key=value")
+  return key.strip(), yaml.safe_load(raw) if raw.strip() else None
+
+
+def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Config:
+  """Reads ``path`` (YAML, optional), applies ``overrides`` and validates once.
+
+  Example:
+    >>> config = load_config("configs/tiny.yaml", ["optimizer.optimizer_offload_fraction=0.5"])
+
+  Raises:
+    ConfigError: naming the key for an unknown key, a wrong type or a broken rule.
+  """
+  config = Config()
+  items: list[tuple[str, Any]] = []
+  if path is not None:
+    try:
+      with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    except OSError as error:
+      raise ConfigError(f"cannot read config file {path!r}: {error.strerror}") from None
+    except yaml.YAMLError as error:
+      raise ConfigError(f"config file {path!r} is not valid YAML: {error}") from None
+    if not isinstance(data, dict):
+      raise ConfigError(f"config file {path!r} must hold a mapping of sections")
+    items += _flatten(data)
+  items += [parse_override(text) for text in overrides]
+  for key, value in items:
+    _set(config, key, value)
+  validate(config)
+  return config

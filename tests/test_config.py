@@ -1,0 +1,78 @@
+"""Configuration: YAML and overrides, key and type checks, and the reference system's rules."""
+
+import pytest
+
+from jaxoffload.config import ConfigError, load_config, parse_override
+
+
+def test_yaml_and_overrides_make_typed_values():
+  config = load_config("configs/tiny.yaml", ["optimizer.optimizer_cpu_offload=True",
+                                             "optimizer.optimizer_offload_fraction=0.5",
+                                             "optimizer.lr=3e-4", "train.train_iters=20"])
+  assert config.model.num_layers == 4
+  assert config.optimizer.optimizer_cpu_offload is True
+  assert config.optimizer.optimizer_offload_fraction == 0.5
+  assert config.optimizer.lr == pytest.approx(3e-4)
+  assert config.train.train_iters == 20
+
+
+def test_llama_1b_is_tinyllamas_shape():
+  model = load_config("configs/llama_1b.yaml").model
+  assert (model.vocab_size, model.hidden_size, model.intermediate_size, model.num_layers,
+          model.num_attention_heads, model.num_query_groups, model.seq_length) == (
+              32000, 2048, 5632, 22, 32, 4, 2048)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.cpu_offloading=True", "model.cpu_offloading_num_layers=1",
+      "model.pipeline_model_parallel_size=2"],
+     "^Currently there is no support for Pipeline parallelism with CPU offloading$"),
+    (["model.cpu_offloading=True", "model.cpu_offloading_num_layers=1",
+      "model.recompute_granularity=full"],
+     "^CPU offloading does not work when activation recomputation is enabled$"),
+    (["model.cpu_offloading=True", "model.cuda_graph_impl=local"],
+     r"^CUDA graphs not supported with CPU offloading\.$"),
+    (["model.cpu_offloading=True", "model.fine_grained_activation_offloading=True"],
+     r"^fine_grained_activation_offloading cannot be enabled with cpu_offloading\.$"),
+    (["model.cpu_offloading=True", "model.cpu_offloading_num_layers=4"],
+     r"cpu_offloading_num_layers must be in \[0, num_layers - 1\] = \[0, 3\], got 4"),
+    (["optimizer.optimizer_offload_fraction=1.5"],
+     r"optimizer.optimizer_offload_fraction must be in \[0.0, 1.0\], got 1.5"),
+    (["train.global_batch_size=8", "train.micro_batch_size=3"],
+     r"train.global_batch_size \(8\) must be a multiple of train.micro_batch_size \(3\)"),
+    (["model.dtype=float16"], r"model.dtype must be one of \['float32', 'bfloat16'\], got 'float16'"),
+])
+def test_reference_rules_refuse_with_its_wording(overrides, message):
+  with pytest.raises(ConfigError, match=message):
+    load_config("configs/tiny.yaml", overrides)
+
+
+def test_unknown_key_names_the_closest_valid_one():
+  with pytest.raises(ConfigError, match=r"unknown config key 'optimizer.optimizer_offload_fractoin'; "
+                                        r"did you mean 'optimizer.optimizer_offload_fraction'\?"):
+    load_config(None, ["optimizer.optimizer_offload_fractoin=0.5"])
+  with pytest.raises(ConfigError, match=r"unknown config key 'optimiser.lr'; did you mean 'optimizer.'"):
+    load_config(None, ["optimiser.lr=0.1"])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.train_iters=ten", r"train.train_iters must be int, got 'ten' \(str\)"),
+    ("model.cpu_offloading=yes please", r"model.cpu_offloading must be bool, got 'yes please'"),
+    ("train.train_iters=2.5", r"train.train_iters must be int, got 2.5 \(float\)"),
+    ("model.recompute_granularity=3", r"model.recompute_granularity must be str or null, got 3"),
+])
+def test_wrong_type_names_the_key_and_the_type(override, message):
+  with pytest.raises(ConfigError, match=message):
+    load_config(None, [override])
+
+
+def test_bad_override_and_bad_file_are_refused(tmp_path):
+  with pytest.raises(ConfigError, match="must look like section.key=value"):
+    parse_override("optimizer.lr")
+  missing = tmp_path / "missing.yaml"
+  with pytest.raises(ConfigError, match="cannot read config file"):
+    load_config(str(missing))
+  nested = tmp_path / "nested.yaml"
+  nested.write_text("model:\n  num_layers:\n    deep: 1\n")
+  with pytest.raises(ConfigError, match="config key 'model.num_layers' takes a value, not a mapping"):
+    load_config(str(nested))
