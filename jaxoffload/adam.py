@@ -10,7 +10,7 @@ import numpy as np
 import optax
 from optax import tree_utils as otu
 
-from jaxoffload._compat import PINNED_HOST, to_host
+from jaxoffload._compat import DEVICE_KIND, PINNED_HOST, to_host
 from jaxoffload.placement import (OffloadMask, OffloadPlan, check_fraction, plan_offload,
                                   replicated_like)
 from jaxoffload.streaming import run_on_host, run_streamed
@@ -120,7 +120,7 @@ def scale_by_offloaded_adam(
         # Filled from host zeros, so init never holds offloaded moments in
         # device memory, even briefly.
         return jax.device_put(np.zeros(leaf.shape, dtype), sharding.with_memory_kind(PINNED_HOST))
-      return jnp.zeros(leaf.shape, dtype, device=sharding)
+      return jnp.zeros(leaf.shape, dtype, device=sharding.with_memory_kind(DEVICE_KIND))
 
     mu = jax.tree.map(lambda p, o: zeros(p, o, mu_dtype), params, plan.mask)
     nu = jax.tree.map(zeros, params, plan.mask)

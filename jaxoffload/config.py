@@ -180,6 +180,12 @@ def validate(config: Config) -> tuple[remat.LayerGroup, ...]:
                       "parallelism; shard over mesh.fsdp and mesh.tensor instead")
   if m.cpu_offloading and m.cuda_graph_impl != "none":
     raise ConfigError("CUDA graphs not supported with CPU offloading.")
+  if m.cuda_graph_impl != "none":
+    raise ConfigError(f"model.cuda_graph_impl={m.cuda_graph_impl!r} (XLA's GPU command buffers) "
+                      "is not implemented yet; use 'none'")
+  if o.overlap_cpu_optimizer_d2h_h2d:
+    raise ConfigError("optimizer.overlap_cpu_optimizer_d2h_h2d=True is not implemented yet; XLA "
+                      "schedules the copies of optimizer_offload_update_on=device by itself")
   for key, value in (("train.train_iters", config.train.train_iters),
                      ("train.global_batch_size", config.train.global_batch_size),
                      ("train.micro_batch_size", config.train.micro_batch_size)):

@@ -152,15 +152,15 @@ def plan_offload(params: Any, *, offload_fraction: float = 1.0,
 
 
 def replicated_like(tree: Any) -> jax.sharding.Sharding | None:
-  """A sharding that replicates a scalar over the devices of the tree's first concrete array.
+  """A sharding that replicates a scalar over the devices of the tree's first placed leaf.
 
   Optimizer scalars (the step count) placed this way are committed like the
   offloaded state, so ``jax.jit`` sees the same argument shardings at every step
-  and compiles once. None when the tree holds no concrete array.
+  and compiles once. None when no leaf has a sharding (traced or unplaced).
   """
   for leaf in jax.tree.leaves(tree):
-    if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
-      sharding = leaf.sharding
+    sharding = None if isinstance(leaf, jax.core.Tracer) else getattr(leaf, "sharding", None)
+    if sharding is not None:
       if isinstance(sharding, jax.sharding.NamedSharding):
         return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
       if len(sharding.device_set) == 1:

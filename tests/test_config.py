@@ -41,6 +41,9 @@ def test_llama_1b_is_tinyllamas_shape():
     (["train.global_batch_size=8", "train.micro_batch_size=3"],
      r"train.global_batch_size \(8\) must be a multiple of train.micro_batch_size \(3\)"),
     (["model.dtype=float16"], r"model.dtype must be one of \['float32', 'bfloat16'\], got 'float16'"),
+    (["model.cuda_graph_impl=local"], r"model.cuda_graph_impl='local' .* is not implemented yet"),
+    (["optimizer.overlap_cpu_optimizer_d2h_h2d=True"],
+     "optimizer.overlap_cpu_optimizer_d2h_h2d=True is not implemented yet"),
 ])
 def test_reference_rules_refuse_with_its_wording(overrides, message):
   with pytest.raises(ConfigError, match=message):

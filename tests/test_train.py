@@ -1,0 +1,62 @@
+"""The trainer: the default run, its error exits, and equal losses whatever is offloaded."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jaxoffload.config import load_config
+from jaxoffload.train import train
+
+STEPS = 5
+
+
+def run_cli(*args):
+  return subprocess.run([sys.executable, "-m", "jaxoffload.train", *args],
+                        capture_output=True, text=True, timeout=600, check=False)
+
+
+def test_default_run_trains_and_the_loss_falls():
+  result = run_cli("train.train_iters=30")
+  assert result.returncode == 0, result.stderr
+  first, last = result.stdout.strip().splitlines()[-1].split("loss ")[1].split(" -> ")
+  assert float(last) < 0.8 * float(first)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["model.cpu_offloading=True", "model.recompute_granularity=full"],
+     "error: CPU offloading does not work when activation recomputation is enabled\n"),
+    (["optimizer.optimizer_offload_fractoin=0.5"],
+     "error: unknown config key 'optimizer.optimizer_offload_fractoin'; "
+     "did you mean 'optimizer.optimizer_offload_fraction'?\n"),
+    (["train.train_iters=ten"], "error: train.train_iters must be int, got 'ten' (str)\n"),
+])
+def test_config_errors_exit_2_with_one_line_and_no_traceback(args, message):
+  result = run_cli(*args)
+  assert result.returncode == 2
+  assert result.stderr == message
+  assert result.stdout == ""
+
+
+@pytest.fixture(scope="module")
+def baseline_losses():
+  return train(load_config(None, [f"train.train_iters={STEPS}"]), log=lambda _: None)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5",
+     "optimizer.optimizer_offload_update_on=host"],
+    ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5",
+     "optimizer.optimizer_offload_update_on=device"],
+    ["model.cpu_offloading=True", "model.cpu_offloading_num_layers=2"],
+    ["model.cpu_offloading=True", "model.cpu_offloading_num_layers=3",
+     "model.cpu_offloading_weights=True", "optimizer.optimizer_cpu_offload=True",
+     "optimizer.optimizer_offload_fraction=1.0"],
+    ["train.micro_batch_size=4"],
+], ids=["optimizer-host", "optimizer-device", "activations", "weights-and-optimizer",
+        "accumulation"])
+def test_losses_equal_the_baseline(overrides, baseline_losses):
+  losses = train(load_config(None, [f"train.train_iters={STEPS}", *overrides]), log=lambda _: None)
+  assert baseline_losses[-1] < baseline_losses[0]
+  np.testing.assert_allclose(losses, baseline_losses, rtol=1e-5)
