@@ -10,6 +10,7 @@ included, and prints the loss as it falls. Keys and rules: docs/config.md.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 import jax
@@ -20,7 +21,8 @@ import jaxoffload
 from jaxoffload import remat, sharding
 from jaxoffload._compat import to_device, to_host
 from jaxoffload.config import Config, ConfigError, load_config, validate
-from jaxoffload.model import Llama, LlamaConfig, group_name, init_params, next_token_loss, regroup
+from jaxoffload.model import (Llama, LlamaConfig, group_name, init_params, logical_param_specs,
+                              next_token_loss, regroup)
 
 
 def llama_config(config: Config) -> LlamaConfig:
@@ -79,7 +81,7 @@ def build(config: Config):
   # same weights, so their losses can be compared step by step.
   one_stack = Llama(model_config, remat.layer_groups(model_config.num_layers))
   params = regroup(init_params(one_stack, jax.random.PRNGKey(config.train.seed), tokens), groups)
-  shardings = sharding.logical_shardings(mesh, jaxoffload.model.logical_param_specs(model, tokens))
+  shardings = sharding.logical_shardings(mesh, logical_param_specs(model, tokens))
   host_groups = [group_name(group) for group in groups if group.offload_weights]
   for name in host_groups:
     shardings[name] = sharding.in_pinned_host(shardings[name])
@@ -118,7 +120,12 @@ def build(config: Config):
       new_params[name] = to_host(new_params[name])
     return new_params, state, loss
 
-  state_shardings = jax.tree.map(lambda x: x.sharding, state)
+  # Scalars optax made uncommitted are replicated over the mesh, so that step 1
+  # sees the placements every later step sees and the step compiles once.
+  state_shardings = jax.tree.map(
+      lambda x: x.sharding if isinstance(x.sharding, jax.sharding.NamedSharding)
+      else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()), state)
+  state = jax.device_put(state, state_shardings)
   step = jax.jit(train_step, donate_argnums=(0, 1),
                  out_shardings=(shardings, state_shardings, None))
   return params, state, step, sharding.batch_sharding(mesh)
@@ -141,7 +148,7 @@ def train(config: Config, *, log=print) -> list[float]:
     params, state, loss = step(params, state, tokens)
     losses.append(float(loss))
     seconds = time.perf_counter() - start
-    if not jnp.isfinite(losses[-1]):
+    if not math.isfinite(losses[-1]):
       raise FloatingPointError(f"loss is {losses[-1]} at step {i + 1}; stopping")
     if i == 0 or (i + 1) % every == 0 or i + 1 == t.train_iters:
       peak = jaxoffload.peak_device_bytes()

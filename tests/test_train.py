@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 
 from jaxoffload.config import load_config
-from jaxoffload.train import train
+import jax
+
+from jaxoffload.train import build, synthetic_batches, train
 
 STEPS = 5
 
@@ -60,3 +62,21 @@ def test_losses_equal_the_baseline(overrides, baseline_losses):
   losses = train(load_config(None, [f"train.train_iters={STEPS}", *overrides]), log=lambda _: None)
   assert baseline_losses[-1] < baseline_losses[0]
   np.testing.assert_allclose(losses, baseline_losses, rtol=1e-5)
+
+
+@pytest.mark.parametrize("overrides", [[], ["optimizer.optimizer_cpu_offload=True",
+                                            "optimizer.optimizer_offload_fraction=0.5"]])
+def test_train_step_compiles_once(overrides):
+  config = load_config(None, overrides)
+  params, state, step, batch_sharding = build(config)
+  for i in range(3):
+    params, state, _ = step(params, state, jax.device_put(synthetic_batches(config, i),
+                                                          batch_sharding))
+  assert step._cache_size() == 1
+
+
+def test_nan_loss_stops_with_the_step():
+  config = load_config(None, ["train.train_iters=5", "optimizer.lr=1e30", "optimizer.min_lr=1e29",
+                              "optimizer.lr_warmup_iters=0"])
+  with pytest.raises(FloatingPointError, match=r"loss is nan at step \d; stopping"):
+    train(config, log=lambda _: None)
