@@ -86,6 +86,16 @@ class MeshConfig:
 
 
 @dataclasses.dataclass
+class CheckpointConfig:
+  """``checkpoint.*``: orbax checkpoints of parameters and optimizer state."""
+
+  dir: Optional[str] = None  # None: no checkpoints.
+  save_interval: int = 100  # Steps between saves; the last step is always saved.
+  keep: int = 3  # How many of the newest checkpoints to keep.
+  resume: bool = True  # Continue from the newest checkpoint in dir, if there is one.
+
+
+@dataclasses.dataclass
 class Config:
   """The whole configuration."""
 
@@ -93,6 +103,7 @@ class Config:
   optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
   train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
   mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+  checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
 
 
 DTYPES = ("float32", "bfloat16")
@@ -188,7 +199,9 @@ def validate(config: Config) -> tuple[remat.LayerGroup, ...]:
                       "schedules the copies of optimizer_offload_update_on=device by itself")
   for key, value in (("train.train_iters", config.train.train_iters),
                      ("train.global_batch_size", config.train.global_batch_size),
-                     ("train.micro_batch_size", config.train.micro_batch_size)):
+                     ("train.micro_batch_size", config.train.micro_batch_size),
+                     ("checkpoint.save_interval", config.checkpoint.save_interval),
+                     ("checkpoint.keep", config.checkpoint.keep)):
     if value < 1:
       raise ConfigError(f"{key} must be at least 1, got {value}")
   if config.train.global_batch_size % config.train.micro_batch_size:

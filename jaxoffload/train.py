@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 import jax
 import jax.numpy as jnp
 import optax
+import orbax.checkpoint as ocp
 
 import jaxoffload
 from jaxoffload import remat, sharding
@@ -131,10 +133,36 @@ def build(config: Config):
   return params, state, step, sharding.batch_sharding(mesh)
 
 
-def train(config: Config, *, log=print) -> list[float]:
-  """Runs ``config.train.train_iters`` steps; returns the loss of each."""
+def _checkpoints(config: Config) -> ocp.CheckpointManager | None:
+  c = config.checkpoint
+  if c.dir is None:
+    return None
+  options = ocp.CheckpointManagerOptions(max_to_keep=c.keep, enable_async_checkpointing=True)
+  return ocp.CheckpointManager(os.path.abspath(c.dir), options=options)
+
+
+def train(config: Config, *, log=print, stop_after_step: int | None = None) -> list[float]:
+  """Runs steps up to ``config.train.train_iters``; returns the loss of each step run.
+
+  ``stop_after_step`` ends the run early, as an interruption would, after
+  saving a checkpoint there: the schedule still spans ``train_iters``.
+
+  With ``checkpoint.dir`` set it saves every ``checkpoint.save_interval`` steps
+  and at the last, and with ``checkpoint.resume`` continues from the newest
+  checkpoint there: the offloaded optimizer state is restored straight into
+  host memory, since the restore target names each leaf's memory kind.
+  """
   params, state, step, batch_sharding = build(config)
   m, t = config.model, config.train
+  checkpoints = _checkpoints(config)
+  first = 0
+  if checkpoints is not None and config.checkpoint.resume and checkpoints.latest_step() is not None:
+    first = checkpoints.latest_step()
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                          {"params": params, "opt_state": state})
+    restored = checkpoints.restore(first, args=ocp.args.StandardRestore(target))
+    params, state = restored["params"], restored["opt_state"]
+    log(f"resumed from step {first} in {config.checkpoint.dir}")
   tokens_per_step = t.global_batch_size * m.seq_length
   log(f"backend {jax.default_backend()}; {m.num_layers} layers, hidden {m.hidden_size}; "
       f"{t.global_batch_size} x {m.seq_length} tokens a step")
@@ -142,19 +170,29 @@ def train(config: Config, *, log=print) -> list[float]:
     log(str(jaxoffload.find_offload_plan(state)))
   losses = []
   every = max(1, t.train_iters // 10)
-  for i in range(t.train_iters):
+  last = t.train_iters if stop_after_step is None else min(stop_after_step, t.train_iters)
+  for i in range(first, last):
     tokens = jax.device_put(synthetic_batches(config, i), batch_sharding)
     start = time.perf_counter()
     params, state, loss = step(params, state, tokens)
     losses.append(float(loss))
     seconds = time.perf_counter() - start
     if not math.isfinite(losses[-1]):
-      raise FloatingPointError(f"loss is {losses[-1]} at step {i + 1}; stopping")
-    if i == 0 or (i + 1) % every == 0 or i + 1 == t.train_iters:
+      if checkpoints is not None:
+        checkpoints.wait_until_finished()
+      raise FloatingPointError(f"loss is {losses[-1]} at step {i + 1}; stopping" + (
+          f" (the newest good checkpoint is step {checkpoints.latest_step()})"
+          if checkpoints is not None and checkpoints.latest_step() is not None else ""))
+    if checkpoints is not None and ((i + 1) % config.checkpoint.save_interval == 0
+                                    or i + 1 == last):
+      checkpoints.save(i + 1, args=ocp.args.StandardSave({"params": params, "opt_state": state}))
+    if i == first or (i + 1) % every == 0 or i + 1 == last:
       peak = jaxoffload.peak_device_bytes()
       log(f"step {i + 1:5d}  loss {losses[-1]:.4f}  {seconds * 1e3:8.1f} ms  "
           f"{tokens_per_step / seconds:10.0f} tokens/s"
           + (f"  peak device {peak / 2**30:.2f} GiB" if peak else ""))
+  if checkpoints is not None:
+    checkpoints.wait_until_finished()
   return losses
 
 
@@ -162,7 +200,8 @@ def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(
       prog="python -m jaxoffload.train", description=__doc__,
       formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--config", help="a YAML file of sections (model, optimizer, train, mesh)")
+  parser.add_argument("--config",
+                      help="a YAML file of sections (model, optimizer, train, mesh, checkpoint)")
   parser.add_argument("overrides", nargs="*", metavar="section.key=value")
   args = parser.parse_args(argv)
   try:
@@ -176,8 +215,9 @@ def main(argv: list[str] | None = None) -> None:
   except FloatingPointError as error:
     print(f"error: {error}", file=sys.stderr)
     raise SystemExit(1) from None
-  print(f"{len(losses)} steps in {time.perf_counter() - start:.1f} s; "
-        f"loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+  if losses:
+    print(f"{len(losses)} steps in {time.perf_counter() - start:.1f} s; "
+          f"loss {losses[0]:.4f} -> {losses[-1]:.4f}")
 
 
 if __name__ == "__main__":

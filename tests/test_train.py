@@ -80,3 +80,19 @@ def test_nan_loss_stops_with_the_step():
                               "optimizer.lr_warmup_iters=0"])
   with pytest.raises(FloatingPointError, match=r"loss is nan at step \d; stopping"):
     train(config, log=lambda _: None)
+
+
+@pytest.mark.parametrize("offload", [[], ["optimizer.optimizer_cpu_offload=True",
+                                          "optimizer.optimizer_offload_fraction=0.5"]],
+                         ids=["plain", "optimizer-offload"])
+def test_resume_continues_exactly(tmp_path, offload):
+  quiet = lambda _: None
+  whole = train(load_config(None, ["train.train_iters=10", *offload]), log=quiet)
+  with_checkpoints = load_config(None, ["train.train_iters=10", f"checkpoint.dir={tmp_path}",
+                                        "checkpoint.save_interval=100", *offload])
+  first = train(with_checkpoints, log=quiet, stop_after_step=5)
+  logged = []
+  second = train(with_checkpoints, log=logged.append)
+  assert logged[0] == f"resumed from step 5 in {tmp_path}"
+  np.testing.assert_array_equal(first + second, whole)
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["10", "5"]
