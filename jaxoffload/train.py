@@ -73,7 +73,7 @@ def synthetic_batches(config: Config, step: int) -> jax.Array:
 
 
 def build(config: Config):
-  """The model, its placed parameters, the optimizer state and the jitted train step."""
+  """Placed parameters, optimizer state, the jitted train step and the batch sharding."""
   groups = validate(config)
   model_config = llama_config(config)
   mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
