@@ -16,6 +16,7 @@ from typing import Any, Optional, Sequence
 import yaml
 
 from jaxoffload import remat
+from jaxoffload.adam import UPDATE_PLACES
 from jaxoffload.placement import check_fraction
 
 
@@ -109,7 +110,6 @@ class Config:
 DTYPES = ("float32", "bfloat16")
 CUDA_GRAPH_IMPLS = ("none", "local", "transformer_engine")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
-UPDATE_PLACES = ("host", "device")
 
 
 def _sections() -> dict[str, type]:

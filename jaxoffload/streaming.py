@@ -84,8 +84,8 @@ def run_streamed(fn: ElementwiseFn, scalars: Sequence[Any], device_inputs: Seque
     device_pieces, host_pieces = carry
     device_out, host_out = fn(scalars, tuple(piece(x, index) for x in device_pieces),
                               to_device(tuple(piece(x, index) for x in host_pieces)))
-    return (tuple(map(put, device_pieces, device_out, [index] * len(device_out))),
-            tuple(map(put, host_pieces, to_host(tuple(host_out)), [index] * len(host_out))))
+    return (tuple(put(x, out, index) for x, out in zip(device_pieces, device_out)),
+            tuple(put(x, out, index) for x, out in zip(host_pieces, to_host(tuple(host_out)))))
 
   device_out, host_out = jax.lax.fori_loop(
       0, count, body, (tuple(map(split, device_inputs)), tuple(map(split, to_host(tuple(host_inputs))))))

@@ -21,7 +21,7 @@ import orbax.checkpoint as ocp
 
 import jaxoffload
 from jaxoffload import remat, sharding
-from jaxoffload._compat import to_device, to_host
+from jaxoffload._compat import DEVICE_KIND, to_device, to_host
 from jaxoffload.config import Config, ConfigError, load_config, validate
 from jaxoffload.model import (Llama, LlamaConfig, group_name, init_params, logical_param_specs,
                               next_token_loss, regroup)
@@ -91,9 +91,9 @@ def build(config: Config):
   opt = optimizer(config)
   # Initialised from the parameters' shapes and device shardings: host-resident
   # weights must not be read, and their optimizer state starts where the plan says.
-  state = opt.init(jax.tree.map(
-      lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=p.sharding.with_memory_kind("device")),
-      params))
+  on_device = lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype,
+                                             sharding=p.sharding.with_memory_kind(DEVICE_KIND))
+  state = opt.init(jax.tree.map(on_device, params))
   micro_batches = config.train.global_batch_size // config.train.micro_batch_size
 
   def loss_fn(params, tokens):
