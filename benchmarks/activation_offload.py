@@ -1,8 +1,9 @@
 """Memory and time of one training step's forward and backward pass, per activation placement.
 
 Each mode runs in a fresh process. A mode is ``save``, ``recompute``, or
-``offload:N:PRESET`` (the first N layers offload the activations PRESET names,
-the rest save everything). Reports XLA's compiled memory estimate, measured
+``offload:N:PRESET`` (the first N layers offload the activations
+``remat.OFFLOAD_PRESETS[PRESET]`` names and recompute their others, the rest
+save everything). Reports XLA's compiled memory estimate, measured
 peak device memory, the activation bytes the arithmetic says offload moves,
 and the median step time.
 
@@ -17,14 +18,6 @@ import sys
 
 from common import median, metadata, run_children, time_steps, write_report
 
-# Activations each preset sends to host memory; the others are recomputed.
-PRESETS = {
-    "all": ("layer_input", "query_proj", "key_proj", "value_proj", "attention_out", "mlp_input",
-            "mlp_gate", "mlp_up", "mlp_out"),
-    "qkv": ("query_proj", "key_proj", "value_proj"),
-    "residual": ("layer_input", "mlp_input"),
-    "qkv_residual": ("layer_input", "query_proj", "key_proj", "value_proj", "mlp_input"),
-}
 SIZES = {
     # TinyLlama-1.1B.
     "tinyllama": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_layers=22,
@@ -34,7 +27,18 @@ SIZES = {
 }
 
 
+def default_modes(num_layers: int) -> str:
+  """Megatron's two settings of interest (half, all but two) and every preset on every layer."""
+  from jaxoffload import remat
+
+  modes = (["save", "recompute", f"offload:{num_layers // 2}:all",
+                   f"offload:{num_layers - 2}:all"]
+           + [f"offload:all:{preset}" for preset in remat.OFFLOAD_PRESETS])
+  return ",".join(dict.fromkeys(modes))
+
+
 def groups_for(mode: str, num_layers: int):
+  """The layer groups of a mode; ``offload:all:PRESET`` offloads every layer."""
   from jaxoffload import remat
 
   if mode == "save":
@@ -42,20 +46,10 @@ def groups_for(mode: str, num_layers: int):
   if mode == "recompute":
     return remat.layer_groups(num_layers, base_placements=remat.RECOMPUTE_ALL)
   _, n, preset = mode.split(":")
-  return remat.layer_groups(num_layers, offload_num_layers=int(n),
-                            offload_placements={name: "offload" for name in PRESETS[preset]})
-
-
-def activation_bytes_per_layer(config, batch: int, seq: int) -> dict[str, int]:
-  """Bytes of each named activation of one layer, in the compute dtype."""
-  import jax.numpy as jnp
-
-  tokens = batch * seq * jnp.dtype(config.dtype).itemsize
-  hidden, kv = config.hidden_size, config.num_kv_heads * config.head_dim
-  return {"layer_input": tokens * hidden, "query_proj": tokens * hidden, "key_proj": tokens * kv,
-          "value_proj": tokens * kv, "attention_out": tokens * hidden, "mlp_input": tokens * hidden,
-          "mlp_gate": tokens * config.intermediate_size, "mlp_up": tokens * config.intermediate_size,
-          "mlp_out": tokens * hidden}
+  n = num_layers if n == "all" else int(n)
+  groups = (remat.LayerGroup(0, n, remat.offload_preset(preset)),
+            remat.LayerGroup(n, num_layers, remat.SAVE_EVERYTHING))
+  return tuple(g for g in groups if g.stop > g.start)
 
 
 def measure(mode: str, size: str, batch: int, seq: int, steps: int) -> dict:
@@ -63,7 +57,8 @@ def measure(mode: str, size: str, batch: int, seq: int, steps: int) -> dict:
   import jax.numpy as jnp
 
   import jaxoffload
-  from jaxoffload.model import Llama, LlamaConfig, init_params, next_token_loss, regroup
+  from jaxoffload.model import (Llama, LlamaConfig, activation_bytes, init_params,
+                                next_token_loss, regroup)
 
   config = LlamaConfig(**SIZES[size], max_seq_len=seq, dtype=jnp.bfloat16)
   groups = groups_for(mode, config.num_layers)
@@ -78,7 +73,8 @@ def measure(mode: str, size: str, batch: int, seq: int, steps: int) -> dict:
     return next_token_loss(model.apply({"params": params}, tokens), tokens)
 
   step = jax.jit(jax.value_and_grad(loss))
-  analysis = step.lower(params, tokens).compile().memory_analysis()
+  compiled = step.lower(params, tokens).compile()
+  analysis = compiled.memory_analysis()
   losses = []
 
   def run_step():
@@ -87,7 +83,7 @@ def measure(mode: str, size: str, batch: int, seq: int, steps: int) -> dict:
     return grads
 
   times = time_steps(run_step, steps)
-  per_layer = activation_bytes_per_layer(config, batch, seq)
+  per_layer = activation_bytes(config, batch, seq)
   offloaded = sum(
       (g.stop - g.start) * per_layer[name] for g in groups if g.placements
       for name, placement in g.placements.items() if placement == "offload")
@@ -98,21 +94,24 @@ def measure(mode: str, size: str, batch: int, seq: int, steps: int) -> dict:
       "xla_host_temp_bytes": getattr(analysis, "host_temp_size_in_bytes", None),
       "predicted_offloaded_bytes": offloaded,
       "params": sum(x.size for x in jax.tree.leaves(params)),
+      # Whether XLA runs attention in cuDNN's fused kernel (else it saves the score matrix).
+      "cudnn_attention": "cudnn" in compiled.as_text().lower(),
   }
 
 
 def markdown(results: list[dict], meta: dict) -> str:
   gib = 2**30
   base = next((r for r in results if r["mode"] == "save"), results[0])
+  recompute = next((r for r in results if r["mode"] == "recompute"), base)
   lines = [
       f"# Forward and backward, {meta['size']} at {meta['batch']} x {meta['seq']} tokens, bf16 compute",
       "",
       f"Device: {meta['device']}; JAX {meta['jax']}; {meta['date']}.",
       f"Command: `{meta['command']}`",
       "",
-      "| mode | step (s) | vs save | peak device (GiB) | XLA temp (GiB) | predicted offload (GiB) | "
-      "peak saved / offloaded | loss |",
-      "|---|---|---|---|---|---|---|---|",
+      "| mode | step (s) | vs save | vs recompute | peak device (GiB) | XLA temp (GiB) | predicted offload (GiB) | "
+      "XLA host (GiB) | peak saved / offloaded | loss |",
+      "|---|---|---|---|---|---|---|---|---|---|",
   ]
   for r in results:
     peak, base_peak = r["peak_device_bytes"], base["peak_device_bytes"]
@@ -120,16 +119,17 @@ def markdown(results: list[dict], meta: dict) -> str:
         peak and base_peak and r["predicted_offloaded_bytes"]) else float("nan")
     lines.append(
         f"| {r['mode']} | {r['step_s_median']:.4f} | {r['step_s_median'] / base['step_s_median']:.2f} "
+        f"| {r['step_s_median'] / recompute['step_s_median']:.2f} "
         f"| {(peak or 0) / gib:.2f} | {(r['xla_temp_bytes'] or 0) / gib:.2f} "
-        f"| {r['predicted_offloaded_bytes'] / gib:.2f} | {saved:.2f} | {r['loss']:.6f} |")
+        f"| {r['predicted_offloaded_bytes'] / gib:.2f} | {(r['xla_host_temp_bytes'] or 0) / gib:.2f} "
+        f"| {saved:.2f} | {r['loss']:.6f} |")
   return "\n".join(lines) + "\n"
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--modes", default="save,recompute,offload:11:all,offload:20:all,"
-                                         "offload:20:qkv,offload:20:residual,offload:20:qkv_residual")
+  parser.add_argument("--modes", help="comma-separated; default: see default_modes")
   parser.add_argument("--size", choices=sorted(SIZES), default="tinyllama")
   parser.add_argument("--batch", type=int, default=8)
   parser.add_argument("--seq", type=int, default=2048)
@@ -140,7 +140,8 @@ def main() -> None:
   if args.child:
     print(json.dumps(measure(args.child[0], args.size, args.batch, args.seq, args.steps)))
     return
-  results = run_children(__file__, [(m,) for m in args.modes.split(",")],
+  modes = args.modes or default_modes(SIZES[args.size]["num_layers"])
+  results = run_children(__file__, [(m,) for m in modes.split(",")],
                          ["--size", args.size, "--batch", str(args.batch), "--seq", str(args.seq),
                           "--steps", str(args.steps)])
   meta = {**metadata(sys.argv), "size": args.size, "batch": args.batch, "seq": args.seq}

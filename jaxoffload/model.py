@@ -113,7 +113,7 @@ class MLP(nn.Module):
     gate = checkpoint_name(_dense(c.intermediate_size, c, "gate", ("embed", "mlp"))(x), "mlp_gate")
     up = checkpoint_name(_dense(c.intermediate_size, c, "up", ("embed", "mlp"))(x), "mlp_up")
     down = _dense(c.hidden_size, c, "down", ("mlp", "embed"))
-    return checkpoint_name(down(nn.silu(gate) * up), "mlp_out")
+    return down(nn.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -168,6 +168,21 @@ class Llama(nn.Module):
     if c.tie_embeddings:
       return embed.attend(x).astype(jnp.float32)
     return _dense(c.vocab_size, c, "lm_head", ("embed", "vocab"))(x).astype(jnp.float32)
+
+
+def activation_bytes(config: LlamaConfig, batch: int, seq_len: int) -> dict[str, int]:
+  """Bytes of each named activation of one layer, as ``remat.ACTIVATION_NAMES`` lists them.
+
+  Example:
+    >>> per_layer = activation_bytes(config, batch=8, seq_len=2048)
+    >>> offloaded = num_offloaded_layers * per_layer["query_proj"]
+  """
+  tokens_bytes = batch * seq_len * jnp.dtype(config.dtype).itemsize
+  hidden, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+  widths = {"layer_input": config.hidden_size, "query_proj": hidden, "key_proj": kv,
+            "value_proj": kv, "attention_out": hidden, "mlp_input": config.hidden_size,
+            "mlp_gate": config.intermediate_size, "mlp_up": config.intermediate_size}
+  return {name: tokens_bytes * width for name, width in widths.items()}
 
 
 def logical_param_specs(model: Llama, tokens: jax.Array) -> Any:

@@ -34,8 +34,9 @@ ACTIVATION_NAMES = (
     "mlp_input",  # The residual stream after attention, before the MLP's norm.
     "mlp_gate",  # The gate projection, before its activation.
     "mlp_up",  # The up projection.
-    "mlp_out",  # The MLP's down projection.
 )
+# The MLP's output has no name: the backward pass never needs it (the residual
+# sum's gradient does not depend on its operands), so no policy could save it.
 
 # What a layer group uses: one placement per name, or None to save every
 # intermediate (no rematerialisation at all).
@@ -45,6 +46,30 @@ SAVE_EVERYTHING: Placements = None
 SAVE_NAMED = {name: Placement.SAVE for name in ACTIVATION_NAMES}
 RECOMPUTE_ALL = {name: Placement.RECOMPUTE for name in ACTIVATION_NAMES}
 OFFLOAD_ALL = {name: Placement.OFFLOAD for name in ACTIVATION_NAMES}
+
+# Named sets of activations to offload, the rest recomputed. Recomputing a
+# projection costs about hidden_size FLOPs per byte it would have moved, the
+# attention kernel about 2 * seq_len, the residual stream almost nothing.
+OFFLOAD_PRESETS = {
+    "all": ACTIVATION_NAMES,
+    "qkv": ("query_proj", "key_proj", "value_proj"),  # MaxText's qkv_proj_offloaded.
+    "attention": ("query_proj", "key_proj", "value_proj", "attention_out"),
+    "mlp": ("mlp_gate", "mlp_up"),
+    "qkv_mlp": ("query_proj", "key_proj", "value_proj", "mlp_gate", "mlp_up"),
+    "matmuls": ("query_proj", "key_proj", "value_proj", "attention_out", "mlp_gate", "mlp_up"),
+    "residual": ("layer_input", "mlp_input"),
+}
+
+
+def offload_preset(name: str) -> dict[str, Placement]:
+  """Placements that offload the activations of ``OFFLOAD_PRESETS[name]`` and recompute the rest.
+
+  Raises:
+    ValueError: naming the unknown preset and the known ones.
+  """
+  if name not in OFFLOAD_PRESETS:
+    raise ValueError(f"unknown offload preset {name!r}; known: {sorted(OFFLOAD_PRESETS)}")
+  return check_placements({n: Placement.OFFLOAD for n in OFFLOAD_PRESETS[name]})
 
 
 def check_placements(placements: Mapping[str, Union[Placement, str]]) -> dict[str, Placement]:

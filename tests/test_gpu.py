@@ -1,4 +1,4 @@
-"""On a GPU: device-streamed updates hold at most a few chunks of host state in device memory."""
+"""On a GPU: offloaded optimizer state and activations really leave device memory."""
 
 import jax
 import jax.numpy as jnp
@@ -6,6 +6,8 @@ import optax
 import pytest
 
 import jaxoffload
+from jaxoffload import remat
+from jaxoffload.model import Llama, LlamaConfig, activation_bytes, init_params, next_token_loss
 from tests.helpers import max_rel_diff, train
 
 pytestmark = pytest.mark.gpu
@@ -52,3 +54,22 @@ def test_streamed_updates_repeatably_match_whole_leaf_updates(chunk_bytes):
   for _ in range(10):
     got, _, _ = train(chunked, params, 5)
     assert max_rel_diff(got, want) <= 1e-6
+
+
+def test_offloaded_activations_leave_device_memory():
+  config = LlamaConfig(vocab_size=512, hidden_size=1024, intermediate_size=2816, num_layers=4,
+                       num_heads=8, num_kv_heads=2, max_seq_len=1024, dtype=jnp.bfloat16)
+  tokens = jnp.zeros((4, config.max_seq_len), jnp.int32)
+  offloaded_layers = 3
+
+  def temp_bytes(groups):
+    model = Llama(config, groups)
+    params = init_params(model, jax.random.PRNGKey(0), tokens)
+    loss = lambda p: next_token_loss(model.apply({"params": p}, tokens), tokens)
+    return jax.jit(jax.grad(loss)).lower(params).compile().memory_analysis().temp_size_in_bytes
+
+  saved_on_device = temp_bytes((remat.LayerGroup(0, 4, remat.SAVE_NAMED),))
+  offloaded = temp_bytes((remat.LayerGroup(0, offloaded_layers, remat.OFFLOAD_ALL),
+                          remat.LayerGroup(offloaded_layers, 4, remat.SAVE_NAMED)))
+  moved = offloaded_layers * sum(activation_bytes(config, *tokens.shape).values())
+  assert saved_on_device - offloaded >= 0.8 * moved, (saved_on_device, offloaded, moved)

@@ -1,5 +1,8 @@
 """The Llama model: its loss and gradients do not depend on where activations wait."""
 
+import math
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,8 +10,8 @@ import pytest
 
 from jaxoffload import remat, sharding
 from jaxoffload._compat import to_device, to_host
-from jaxoffload.model import (Llama, LlamaConfig, group_name, init_params, logical_param_specs,
-                              next_token_loss, regroup)
+from jaxoffload.model import (DecoderLayer, Llama, LlamaConfig, activation_bytes, group_name,
+                              init_params, logical_param_specs, next_token_loss, regroup)
 from tests.helpers import max_rel_diff
 
 CONFIG = LlamaConfig()
@@ -21,7 +24,7 @@ MODES = {
     "per-name-mix": remat.layer_groups(
         CONFIG.num_layers, offload_num_layers=2,
         offload_placements={"query_proj": "offload", "key_proj": "offload", "value_proj": "offload",
-                            "layer_input": "save", "mlp_out": "recompute"},
+                            "layer_input": "save", "mlp_input": "recompute"},
         base_placements={"attention_out": "save", "mlp_gate": "offload"}),
     "weights-offload": remat.layer_groups(CONFIG.num_layers, offload_num_layers=2,
                                           offload_weights=True),
@@ -155,3 +158,18 @@ def test_offloaded_weights_are_fetched_again_not_saved_for_the_backward(referenc
   device_up_kernels = f"f32[2,{CONFIG.hidden_size},{CONFIG.intermediate_size}] output of scan"
   host_up_kernels = f"f32<host>[2,{CONFIG.hidden_size},{CONFIG.intermediate_size}] from the argument"
   assert host_up_kernels in residuals and device_up_kernels not in residuals
+
+
+def test_activation_bytes_are_the_named_residuals_of_a_layer(capsys):
+  batch, seq = 2, 16
+  layer = DecoderLayer(CONFIG)
+  x = jnp.ones((batch, seq, CONFIG.hidden_size), CONFIG.dtype)
+  layer_params = layer.init(jax.random.PRNGKey(0), x, None)["params"]
+  policy = remat.remat_policy(remat.SAVE_NAMED)
+  jax.ad_checkpoint.print_saved_residuals(
+      jax.checkpoint(lambda p, x: jnp.sum(layer.apply({"params": p}, x, None)[0]), policy=policy),
+      layer_params, x)
+  named = re.findall(r"f32\[([\d,]+)\] named '(\w+)'", capsys.readouterr().out)
+  saved = {name: 4 * math.prod(int(d) for d in shape.split(",")) for shape, name in named}
+  assert saved == activation_bytes(CONFIG, batch, seq)
+  assert list(saved) == list(remat.ACTIVATION_NAMES)

@@ -14,7 +14,7 @@ def test_names_left_out_are_recomputed():
   checked = remat.check_placements({"query_proj": "offload", "layer_input": Placement.SAVE})
   assert checked["query_proj"] is Placement.OFFLOAD
   assert checked["layer_input"] is Placement.SAVE
-  assert checked["mlp_out"] is Placement.RECOMPUTE
+  assert checked["mlp_up"] is Placement.RECOMPUTE
   assert list(checked) == list(remat.ACTIVATION_NAMES)
 
 
@@ -50,7 +50,7 @@ def _stack_loss(groups, weights, x):
   def layer(h, w):
     h = checkpoint_name(h, "layer_input")
     q = checkpoint_name(jnp.tanh(h @ w), "query_proj")
-    return checkpoint_name(jnp.tanh(q @ w.T), "mlp_out") + h, None
+    return checkpoint_name(jnp.tanh(q @ w.T), "mlp_up") + h, None
 
   for group in groups:
     x, _ = jax.lax.scan(group.wrap(layer), x, weights[group.start:group.stop])
@@ -63,7 +63,7 @@ def _stack_loss(groups, weights, x):
     remat.layer_groups(4, offload_num_layers=3),
     remat.layer_groups(4, offload_num_layers=2,
                              offload_placements={"query_proj": "offload", "layer_input": "save"},
-                             base_placements={"mlp_out": "save"}),
+                             base_placements={"mlp_up": "save"}),
 ], ids=["recompute", "offload-1", "offload-3", "mixed"])
 def test_gradients_equal_saving_everything(groups):
   weights = jax.random.normal(jax.random.PRNGKey(0), (4, 16, 16)) / 4
