@@ -3,12 +3,13 @@
 from jaxoffload.adam import ScaleByOffloadedAdamState, offload_adamw, scale_by_offloaded_adam
 from jaxoffload.memory import bytes_by_memory_kind, peak_device_bytes
 from jaxoffload.placement import OffloadPlan, find_offload_plan, plan_offload
-from jaxoffload.remat import (ACTIVATION_NAMES, LayerGroup, Placement, layer_groups,
-                              megatron_layer_groups, remat_policy)
+from jaxoffload.remat import (ACTIVATION_NAMES, OFFLOAD_PRESETS, LayerGroup, Placement,
+                              layer_groups, megatron_layer_groups, offload_preset, remat_policy)
 
 __all__ = [
     "ACTIVATION_NAMES",
     "LayerGroup",
+    "OFFLOAD_PRESETS",
     "OffloadPlan",
     "Placement",
     "ScaleByOffloadedAdamState",
@@ -17,6 +18,7 @@ __all__ = [
     "layer_groups",
     "megatron_layer_groups",
     "offload_adamw",
+    "offload_preset",
     "peak_device_bytes",
     "plan_offload",
     "remat_policy",

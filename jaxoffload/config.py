@@ -42,6 +42,12 @@ class ModelConfig:
   cpu_offloading_num_layers: int = 0
   cpu_offloading_activations: bool = True
   cpu_offloading_weights: bool = False
+  # Which named activations offloaded layers send to pinned_host (the others are
+  # recomputed): a key of remat.OFFLOAD_PRESETS. A jaxoffload extension.
+  cpu_offloading_policy: str = remat.DEFAULT_OFFLOAD_PRESET
+  # jax.nn.dot_product_attention's implementation: xla, cudnn, or null for cuDNN
+  # on a GPU with bfloat16 compute.
+  attention_implementation: Optional[str] = None
   recompute_granularity: Optional[str] = None
   fine_grained_activation_offloading: bool = False
   pipeline_model_parallel_size: int = 1
@@ -108,6 +114,7 @@ class Config:
 
 
 DTYPES = ("float32", "bfloat16")
+ATTENTION_IMPLEMENTATIONS = (None, "xla", "cudnn")
 CUDA_GRAPH_IMPLS = ("none", "local", "transformer_engine")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 
@@ -181,6 +188,10 @@ def validate(config: Config) -> tuple[remat.LayerGroup, ...]:
   _check_one_of("model.dtype", m.dtype, DTYPES)
   _check_one_of("model.params_dtype", m.params_dtype, DTYPES)
   _check_one_of("model.cuda_graph_impl", m.cuda_graph_impl, CUDA_GRAPH_IMPLS)
+  _check_one_of("model.cpu_offloading_policy", m.cpu_offloading_policy,
+                list(remat.OFFLOAD_PRESETS))
+  _check_one_of("model.attention_implementation", m.attention_implementation,
+                ATTENTION_IMPLEMENTATIONS)
   _check_one_of("optimizer.lr_decay_style", o.lr_decay_style, LR_DECAY_STYLES)
   _check_one_of("optimizer.optimizer_offload_update_on", o.optimizer_offload_update_on,
                 UPDATE_PLACES)
@@ -220,7 +231,8 @@ def validate(config: Config) -> tuple[remat.LayerGroup, ...]:
         cpu_offloading_activations=m.cpu_offloading_activations,
         cpu_offloading_weights=m.cpu_offloading_weights,
         recompute_granularity=m.recompute_granularity,
-        fine_grained_activation_offloading=m.fine_grained_activation_offloading)
+        fine_grained_activation_offloading=m.fine_grained_activation_offloading,
+        offload_placements=remat.offload_preset(m.cpu_offloading_policy))
   except ValueError as error:
     raise ConfigError(str(error)) from None
 

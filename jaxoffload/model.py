@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import flax.linen as nn
 import jax
@@ -43,6 +43,18 @@ class LlamaConfig:
   tie_embeddings: bool = False
   rope_theta: float = 10000.0
   norm_eps: float = 1e-5
+  # jax.nn.dot_product_attention's implementation: "xla", "cudnn", or None for
+  # cuDNN's fused kernel on a GPU with 16-bit compute and XLA otherwise. JAX's
+  # own None means XLA, whose backward keeps every layer's score matrix.
+  attention_implementation: Optional[str] = None
+
+  @property
+  def attention(self) -> str:
+    """The attention implementation this config runs with on the default backend."""
+    if self.attention_implementation is not None:
+      return self.attention_implementation
+    fused = jax.default_backend() == "gpu" and jnp.dtype(self.dtype).itemsize == 2
+    return "cudnn" if fused else "xla"
 
   @property
   def head_dim(self) -> int:
@@ -97,7 +109,8 @@ class Attention(nn.Module):
     q = checkpoint_name(rotary(q, c.rope_theta), "query_proj")
     k = checkpoint_name(rotary(k, c.rope_theta), "key_proj")
     v = checkpoint_name(v, "value_proj")
-    out = checkpoint_name(jax.nn.dot_product_attention(q, k, v, is_causal=True), "attention_out")
+    out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=c.attention)
+    out = checkpoint_name(out, "attention_out")
     out = out.reshape(*out.shape[:-2], c.num_heads * c.head_dim)
     return _dense(c.hidden_size, c, "out", ("heads", "embed"))(out)
 

@@ -47,6 +47,26 @@ SAVE_NAMED = {name: Placement.SAVE for name in ACTIVATION_NAMES}
 RECOMPUTE_ALL = {name: Placement.RECOMPUTE for name in ACTIVATION_NAMES}
 OFFLOAD_ALL = {name: Placement.OFFLOAD for name in ACTIVATION_NAMES}
 
+def check_placements(placements: Mapping[str, Union[Placement, str]]) -> dict[str, Placement]:
+  """Returns a placement for every activation name; names left out are recomputed.
+
+  Raises:
+    ValueError: naming an unknown activation name or placement.
+  """
+  unknown = sorted(set(placements) - set(ACTIVATION_NAMES))
+  if unknown:
+    raise ValueError(f"unknown activation names {unknown}; known: {list(ACTIVATION_NAMES)}")
+  checked = {}
+  for name in ACTIVATION_NAMES:
+    value = placements.get(name, Placement.RECOMPUTE)
+    try:
+      checked[name] = Placement(value)
+    except ValueError:
+      raise ValueError(f"placement of {name!r} must be one of "
+                       f"{[p.value for p in Placement]}, got {value!r}") from None
+  return checked
+
+
 # Named sets of activations to offload, the rest recomputed. Recomputing a
 # projection costs about hidden_size FLOPs per byte it would have moved, the
 # attention kernel about 2 * seq_len, the residual stream almost nothing.
@@ -72,24 +92,11 @@ def offload_preset(name: str) -> dict[str, Placement]:
   return check_placements({n: Placement.OFFLOAD for n in OFFLOAD_PRESETS[name]})
 
 
-def check_placements(placements: Mapping[str, Union[Placement, str]]) -> dict[str, Placement]:
-  """Returns a placement for every activation name; names left out are recomputed.
-
-  Raises:
-    ValueError: naming an unknown activation name or placement.
-  """
-  unknown = sorted(set(placements) - set(ACTIVATION_NAMES))
-  if unknown:
-    raise ValueError(f"unknown activation names {unknown}; known: {list(ACTIVATION_NAMES)}")
-  checked = {}
-  for name in ACTIVATION_NAMES:
-    value = placements.get(name, Placement.RECOMPUTE)
-    try:
-      checked[name] = Placement(value)
-    except ValueError:
-      raise ValueError(f"placement of {name!r} must be one of "
-                       f"{[p.value for p in Placement]}, got {value!r}") from None
-  return checked
+# What offloaded layers do unless told otherwise: on an H200 at TinyLlama's
+# shape, offloading q/k/v and recomputing the rest was the fastest offload
+# policy, and offloading every name the slowest (docs/benchmarks/activation_offload.md).
+DEFAULT_OFFLOAD_PRESET = "qkv"
+OFFLOAD_DEFAULT = offload_preset(DEFAULT_OFFLOAD_PRESET)
 
 
 def remat_policy(placements: Mapping[str, Union[Placement, str]]) -> Callable[..., object]:
@@ -144,7 +151,7 @@ class LayerGroup:
 
 
 def layer_groups(num_layers: int, *, offload_num_layers: int = 0,
-                 offload_placements: Placements = OFFLOAD_ALL,
+                 offload_placements: Placements = OFFLOAD_DEFAULT,
                  base_placements: Placements = SAVE_EVERYTHING,
                  offload_weights: bool = False) -> tuple[LayerGroup, ...]:
   """Splits the layers into the first ``offload_num_layers`` and the rest.
@@ -178,7 +185,8 @@ def megatron_layer_groups(num_layers: int, *, cpu_offloading: bool = False,
                           cpu_offloading_weights: bool = False,
                           recompute_granularity: Optional[str] = None,
                           fine_grained_activation_offloading: bool = False,
-                          offload_placements: Placements = OFFLOAD_ALL) -> tuple[LayerGroup, ...]:
+                          offload_placements: Placements = OFFLOAD_DEFAULT
+                          ) -> tuple[LayerGroup, ...]:
   """Layer groups from Megatron-Bridge's ``model.*`` offload settings, checked by its rules.
 
   Args:

@@ -35,7 +35,8 @@ def llama_config(config: Config) -> LlamaConfig:
                      num_heads=m.num_attention_heads, num_kv_heads=m.num_query_groups,
                      max_seq_len=m.seq_length, dtype=jnp.dtype(m.dtype),
                      param_dtype=jnp.dtype(m.params_dtype),
-                     tie_embeddings=m.share_embeddings_and_output_weights)
+                     tie_embeddings=m.share_embeddings_and_output_weights,
+                     attention_implementation=m.attention_implementation)
 
 
 def optimizer(config: Config) -> optax.GradientTransformation:

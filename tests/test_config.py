@@ -2,7 +2,8 @@
 
 import pytest
 
-from jaxoffload.config import ConfigError, load_config, parse_override
+from jaxoffload import remat
+from jaxoffload.config import ConfigError, load_config, parse_override, validate
 
 
 def test_yaml_and_overrides_make_typed_values():
@@ -42,6 +43,10 @@ def test_llama_1b_is_tinyllamas_shape():
      r"train.global_batch_size \(8\) must be a multiple of train.micro_batch_size \(3\)"),
     (["model.dtype=float16"], r"model.dtype must be one of \['float32', 'bfloat16'\], got 'float16'"),
     (["model.cuda_graph_impl=local"], r"model.cuda_graph_impl='local' .* is not implemented yet"),
+    (["model.cpu_offloading_policy=qkvo"],
+     r"model.cpu_offloading_policy must be one of \['all', 'qkv', .*\], got 'qkvo'"),
+    (["model.attention_implementation=flash"],
+     r"model.attention_implementation must be one of \[None, 'xla', 'cudnn'\], got 'flash'"),
     (["optimizer.overlap_cpu_optimizer_d2h_h2d=True"],
      "optimizer.overlap_cpu_optimizer_d2h_h2d=True is not implemented yet"),
 ])
@@ -79,3 +84,14 @@ def test_bad_override_and_bad_file_are_refused(tmp_path):
   nested.write_text("model:\n  num_layers:\n    deep: 1\n")
   with pytest.raises(ConfigError, match="config key 'model.num_layers' takes a value, not a mapping"):
     load_config(str(nested))
+
+
+def test_offload_policy_picks_what_offloaded_layers_send_to_host():
+  config = load_config("configs/tiny.yaml", ["model.cpu_offloading=True",
+                                              "model.cpu_offloading_num_layers=2",
+                                              "model.cpu_offloading_policy=residual"])
+  offloaded, rest = validate(config)
+  assert offloaded.placements == remat.offload_preset("residual") and rest.placements is None
+  default = validate(load_config("configs/tiny.yaml", ["model.cpu_offloading=True",
+                                                       "model.cpu_offloading_num_layers=2"]))
+  assert default[0].placements == remat.offload_preset(remat.DEFAULT_OFFLOAD_PRESET)

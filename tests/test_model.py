@@ -19,6 +19,8 @@ SAVE_ALL = remat.layer_groups(CONFIG.num_layers)
 MODES = {
     "recompute": remat.layer_groups(CONFIG.num_layers, base_placements=remat.RECOMPUTE_ALL),
     "offload-1": remat.layer_groups(CONFIG.num_layers, offload_num_layers=1),
+    "offload-all-names": remat.layer_groups(CONFIG.num_layers, offload_num_layers=2,
+                                            offload_placements=remat.OFFLOAD_ALL),
     "offload-all-but-one": remat.layer_groups(CONFIG.num_layers,
                                               offload_num_layers=CONFIG.num_layers - 1),
     "per-name-mix": remat.layer_groups(

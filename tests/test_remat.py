@@ -95,7 +95,7 @@ def test_megatron_settings_make_the_expected_groups():
   groups = remat.megatron_layer_groups(4, cpu_offloading=True, cpu_offloading_num_layers=3,
                                        cpu_offloading_weights=True)
   assert [(g.start, g.stop, g.offload_weights) for g in groups] == [(0, 3, True), (3, 4, False)]
-  assert groups[0].placements == remat.OFFLOAD_ALL and groups[1].placements is None
+  assert groups[0].placements == remat.offload_preset("qkv") and groups[1].placements is None
   weights_only = remat.megatron_layer_groups(4, cpu_offloading=True, cpu_offloading_num_layers=2,
                                              cpu_offloading_activations=False,
                                              cpu_offloading_weights=True)
