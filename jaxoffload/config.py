@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import typing
 from typing import Any, Optional, Sequence
 
@@ -17,6 +18,7 @@ import yaml
 
 from jaxoffload import remat
 from jaxoffload.adam import UPDATE_PLACES
+from jaxoffload.data import BYTE_VOCAB_SIZE, corpus_tokens
 from jaxoffload.placement import check_fraction
 
 
@@ -42,6 +44,7 @@ class ModelConfig:
   cpu_offloading_num_layers: int = 0
   cpu_offloading_activations: bool = True
   cpu_offloading_weights: bool = False
+  cpu_offloading_double_buffering: bool = False  # True is refused: XLA schedules the copies.
   # Which named activations offloaded layers send to pinned_host (the others are
   # recomputed): a key of remat.OFFLOAD_PRESETS. A jaxoffload extension.
   cpu_offloading_policy: str = remat.DEFAULT_OFFLOAD_PRESET
@@ -71,6 +74,10 @@ class OptimizerConfig:
   optimizer_offload_fraction: float = 0.0
   overlap_cpu_optimizer_d2h_h2d: bool = False
   optimizer_offload_update_on: str = "device"  # Where offloaded moments update: host or device.
+  use_torch_optimizer_for_cpu_offload: bool = False  # True is refused: there is no torch here.
+  # State sharded over the devices that hold the parameters: what mesh.fsdp
+  # does already; refused with mesh.data > 1, naming mesh.fsdp.
+  use_distributed_optimizer: bool = False
 
 
 @dataclasses.dataclass
@@ -81,6 +88,23 @@ class TrainConfig:
   global_batch_size: int = 8
   micro_batch_size: int = 8
   seed: int = 0
+
+
+@dataclasses.dataclass
+class DataConfig:
+  """``data.*``: where the training tokens come from (``jaxoffload.data``)."""
+
+  dataset: str = "synthetic"  # synthetic, or text (byte tokens, model.vocab_size >= 256).
+  text_file: Optional[str] = None  # A UTF-8 text file; None: the package's own source.
+
+
+@dataclasses.dataclass
+class LoggingConfig:
+  """``logging.*``: the progress line and the per-step JSONL record."""
+
+  log_interval: int = 0  # Steps between progress lines; 0: ten lines a run.
+  jsonl: Optional[str] = None  # A file to append one JSON record per step to.
+  progress_bar: bool = True  # On a terminal, one line redrawn in place.
 
 
 @dataclasses.dataclass
@@ -109,6 +133,8 @@ class Config:
   model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
   optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
   train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+  data: DataConfig = dataclasses.field(default_factory=DataConfig)
+  logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
   mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
   checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
 
@@ -117,6 +143,7 @@ DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLEMENTATIONS = (None, "xla", "cudnn")
 CUDA_GRAPH_IMPLS = ("none", "local", "transformer_engine")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
+DATASETS = ("synthetic", "text")
 
 
 def _sections() -> dict[str, type]:
@@ -205,6 +232,35 @@ def validate(config: Config) -> tuple[remat.LayerGroup, ...]:
   if m.cuda_graph_impl != "none":
     raise ConfigError(f"model.cuda_graph_impl={m.cuda_graph_impl!r} (XLA's GPU command buffers) "
                       "is not implemented yet; use 'none'")
+  if m.cpu_offloading_double_buffering:
+    raise ConfigError("model.cpu_offloading_double_buffering=True has no setting in JAX: XLA's "
+                      "scheduler decides when offloaded layers' copies start; its flag "
+                      "--xla_gpu_enable_pipelined_host_offloading is the nearest (measured in "
+                      "docs/benchmarks/activation_offload.md: no faster)")
+  if o.use_torch_optimizer_for_cpu_offload:
+    raise ConfigError("optimizer.use_torch_optimizer_for_cpu_offload=True: jaxoffload has no "
+                      "torch optimizer; offloaded moments update in XLA, chosen by "
+                      "optimizer.optimizer_offload_update_on (device or host)")
+  if o.use_distributed_optimizer and config.mesh.data > 1:
+    raise ConfigError(f"optimizer.use_distributed_optimizer=True with mesh.data="
+                      f"{config.mesh.data}: shard the optimizer state with mesh.fsdp="
+                      f"{config.mesh.data} instead (it shards parameters, gradients and "
+                      f"optimizer state alike)")
+  _check_one_of("data.dataset", config.data.dataset, DATASETS)
+  if config.data.dataset == "text":
+    if m.vocab_size < BYTE_VOCAB_SIZE:
+      raise ConfigError(f"data.dataset=text needs model.vocab_size >= {BYTE_VOCAB_SIZE} "
+                        f"(byte tokens), got {m.vocab_size}")
+    try:
+      corpus_tokens(config.data.text_file, m.seq_length)
+    except ValueError as error:
+      raise ConfigError(str(error)) from None
+  elif config.data.text_file is not None:
+    raise ConfigError("data.text_file is set but data.dataset is 'synthetic'; "
+                      "set data.dataset=text to train on it")
+  if config.logging.log_interval < 0:
+    raise ConfigError(f"logging.log_interval must be at least 0, got "
+                      f"{config.logging.log_interval}")
   if o.overlap_cpu_optimizer_d2h_h2d:
     raise ConfigError("optimizer.overlap_cpu_optimizer_d2h_h2d=True is not implemented yet; XLA "
                       "schedules the copies of optimizer_offload_update_on=device by itself")
@@ -245,8 +301,35 @@ def parse_override(text: str) -> tuple[str, Any]:
   return key.strip(), yaml.safe_load(raw) if raw.strip() else None
 
 
+def _file_items(path: str, including: tuple[str, ...]) -> list[tuple[str, Any]]:
+  """The file's (key, value) pairs, after those of the file its ``base_config`` names."""
+  try:
+    with open(path) as f:
+      data = yaml.safe_load(f) or {}
+  except OSError as error:
+    raise ConfigError(f"cannot read config file {path!r}: {error.strerror}") from None
+  except yaml.YAMLError as error:
+    raise ConfigError(f"config file {path!r} is not valid YAML: {error}") from None
+  if not isinstance(data, dict):
+    raise ConfigError(f"config file {path!r} must hold a mapping of sections")
+  base = data.pop("base_config", None)
+  if base is None:
+    return _flatten(data)
+  if not isinstance(base, str):
+    raise ConfigError(f"base_config in {path!r} must be a file name, got {base!r}")
+  # Relative to the including file, as a user reading it would expect.
+  base_path = os.path.normpath(os.path.join(os.path.dirname(path), base))
+  chain = including + (os.path.normpath(path),)
+  if base_path in chain:
+    raise ConfigError(f"config files include each other: {' -> '.join(chain + (base_path,))}")
+  return _file_items(base_path, chain) + _flatten(data)
+
+
 def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Config:
   """Reads ``path`` (YAML, optional), applies ``overrides`` and validates once.
+
+  A file may start from another: ``base_config: llama_1b.yaml`` (a path
+  relative to the file) reads that one first, then this file's keys over it.
 
   Example:
     >>> config = load_config("configs/tiny.yaml", ["optimizer.optimizer_offload_fraction=0.5"])
@@ -255,18 +338,7 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Co
     ConfigError: naming the key for an unknown key, a wrong type or a broken rule.
   """
   config = Config()
-  items: list[tuple[str, Any]] = []
-  if path is not None:
-    try:
-      with open(path) as f:
-        data = yaml.safe_load(f) or {}
-    except OSError as error:
-      raise ConfigError(f"cannot read config file {path!r}: {error.strerror}") from None
-    except yaml.YAMLError as error:
-      raise ConfigError(f"config file {path!r} is not valid YAML: {error}") from None
-    if not isinstance(data, dict):
-      raise ConfigError(f"config file {path!r} must hold a mapping of sections")
-    items += _flatten(data)
+  items = [] if path is None else _file_items(path, ())
   items += [parse_override(text) for text in overrides]
   for key, value in items:
     _set(config, key, value)

@@ -204,16 +204,24 @@ def logical_param_specs(model: Llama, tokens: jax.Array) -> Any:
   return nn.get_partition_spec(boxed)
 
 
-def init_params(model: Llama, key: jax.Array, tokens: jax.Array, shardings: Any = None) -> Any:
+def init_params(model: Llama, key: jax.Array, tokens: jax.Array, shardings: Any = None,
+                groups: Optional[Sequence[LayerGroup]] = None) -> Any:
   """Initialises the parameters under ``jax.jit``, placed by ``shardings`` when given.
+
+  With ``groups`` the layer stacks are cut at their boundaries in the same
+  program (see ``regroup``), so each leaf is written once, straight into its
+  sharding and memory kind.
 
   Example:
     >>> specs = logical_param_specs(model, tokens)
     >>> params = init_params(model, key, tokens, sharding.logical_shardings(mesh, specs))
   """
-  init = jax.jit(lambda key: nn.meta.unbox(model.init(key, tokens)["params"]),
-                 out_shardings=shardings)
-  return init(key)
+
+  def init(key):
+    params = nn.meta.unbox(model.init(key, tokens)["params"])
+    return params if groups is None else regroup(params, groups)
+
+  return jax.jit(init, out_shardings=shardings)(key)
 
 
 def next_token_loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:

@@ -20,11 +20,11 @@ import optax
 import orbax.checkpoint as ocp
 
 import jaxoffload
-from jaxoffload import remat, sharding
+from jaxoffload import data, monitor, remat, sharding
 from jaxoffload._compat import DEVICE_KIND, to_device, to_host
 from jaxoffload.config import Config, ConfigError, load_config, validate
 from jaxoffload.model import (Llama, LlamaConfig, group_name, init_params, logical_param_specs,
-                              next_token_loss, regroup)
+                              next_token_loss)
 
 
 def llama_config(config: Config) -> LlamaConfig:
@@ -58,19 +58,13 @@ def optimizer(config: Config) -> optax.GradientTransformation:
   return optax.chain(optax.clip_by_global_norm(o.clip_grad), adamw)
 
 
-def synthetic_batches(config: Config, step: int) -> jax.Array:
-  """Step ``step``'s tokens: each sequence counts up by a stride from a random start.
-
-  The next token follows from the current one and the sequence's stride, so a
-  model that learns shows a falling loss within a few dozen steps.
-  """
+def batch_at(config: Config, step: int) -> jax.Array:
+  """Step ``step``'s tokens, [global_batch_size, seq_length]: synthetic or text (``data.*``)."""
   m, t = config.model, config.train
-  key = jax.random.fold_in(jax.random.PRNGKey(t.seed), step)
-  start_key, stride_key = jax.random.split(key)
-  shape = (t.global_batch_size, 1)
-  start = jax.random.randint(start_key, shape, 0, m.vocab_size)
-  stride = jax.random.randint(stride_key, shape, 1, 4)
-  return (start + stride * jnp.arange(m.seq_length)[None, :]) % m.vocab_size
+  if config.data.dataset == "text":
+    tokens = data.corpus_tokens(config.data.text_file, m.seq_length)
+    return data.text_batch(tokens, t.seed, step, t.global_batch_size, m.seq_length)
+  return data.synthetic_batch(t.seed, step, t.global_batch_size, m.seq_length, m.vocab_size)
 
 
 def build(config: Config):
@@ -79,16 +73,16 @@ def build(config: Config):
   model_config = llama_config(config)
   mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
   model = Llama(model_config, groups)
-  tokens = synthetic_batches(config, 0)
-  # One stack first, then cut at the groups: every offload setting starts from the
-  # same weights, so their losses can be compared step by step.
-  one_stack = Llama(model_config, remat.layer_groups(model_config.num_layers))
-  params = regroup(init_params(one_stack, jax.random.PRNGKey(config.train.seed), tokens), groups)
+  tokens = batch_at(config, 0)
   shardings = sharding.logical_shardings(mesh, logical_param_specs(model, tokens))
   host_groups = [group_name(group) for group in groups if group.offload_weights]
   for name in host_groups:
     shardings[name] = sharding.in_pinned_host(shardings[name])
-  params = jax.device_put(params, shardings)
+  # Initialised as one stack and cut at the groups: every offload setting starts
+  # from the same weights, so their losses can be compared step by step.
+  one_stack = Llama(model_config, remat.layer_groups(model_config.num_layers))
+  params = init_params(one_stack, jax.random.PRNGKey(config.train.seed), tokens, shardings,
+                       groups=groups)
   opt = optimizer(config)
   # Initialised from the parameters' shapes and device shardings: host-resident
   # weights must not be read, and their optimizer state starts where the plan says.
@@ -152,6 +146,8 @@ def train(config: Config, *, log=print, stop_after_step: int | None = None) -> l
   and at the last, and with ``checkpoint.resume`` continues from the newest
   checkpoint there: the offloaded optimizer state is restored straight into
   host memory, since the restore target names each leaf's memory kind.
+  Progress goes to ``log`` (a line redrawn in place when it is ``print`` on a
+  terminal) and, with ``logging.jsonl`` set, one JSON record per step.
   """
   params, state, step, batch_sharding = build(config)
   m, t = config.model, config.train
@@ -164,36 +160,50 @@ def train(config: Config, *, log=print, stop_after_step: int | None = None) -> l
     restored = checkpoints.restore(first, args=ocp.args.StandardRestore(target))
     params, state = restored["params"], restored["opt_state"]
     log(f"resumed from step {first} in {config.checkpoint.dir}")
-  tokens_per_step = t.global_batch_size * m.seq_length
-  log(f"backend {jax.default_backend()}; {m.num_layers} layers, hidden {m.hidden_size}; "
-      f"{t.global_batch_size} x {m.seq_length} tokens a step")
+  log(f"backend {jax.default_backend()} ({jax.device_count()} x {jax.devices()[0].device_kind}); "
+      f"{m.num_layers} layers, hidden {m.hidden_size}; "
+      f"{t.global_batch_size} x {m.seq_length} tokens a step of {config.data.dataset} data")
   if config.optimizer.optimizer_cpu_offload:
     log(str(jaxoffload.find_offload_plan(state)))
-  losses = []
-  every = max(1, t.train_iters // 10)
+  compile_start = time.perf_counter()
+  compiled = step.lower(params, state, jax.device_put(batch_at(config, first), batch_sharding)
+                        ).compile()
+  host_temp = getattr(compiled.memory_analysis(), "host_temp_size_in_bytes", 0) or 0
+  log(f"compiled the step in {time.perf_counter() - compile_start:.1f} s")
   last = t.train_iters if stop_after_step is None else min(stop_after_step, t.train_iters)
-  for i in range(first, last):
-    tokens = jax.device_put(synthetic_batches(config, i), batch_sharding)
-    start = time.perf_counter()
-    params, state, loss = step(params, state, tokens)
-    losses.append(float(loss))
-    seconds = time.perf_counter() - start
-    if not math.isfinite(losses[-1]):
-      if checkpoints is not None:
-        checkpoints.wait_until_finished()
-      raise FloatingPointError(f"loss is {losses[-1]} at step {i + 1}; stopping" + (
-          f" (the newest good checkpoint is step {checkpoints.latest_step()})"
-          if checkpoints is not None and checkpoints.latest_step() is not None else ""))
-    if checkpoints is not None and ((i + 1) % config.checkpoint.save_interval == 0
-                                    or i + 1 == last):
-      checkpoints.save(i + 1, args=ocp.args.StandardSave({"params": params, "opt_state": state}))
-    if i == first or (i + 1) % every == 0 or i + 1 == last:
-      peak = jaxoffload.peak_device_bytes()
-      log(f"step {i + 1:5d}  loss {losses[-1]:.4f}  {seconds * 1e3:8.1f} ms  "
-          f"{tokens_per_step / seconds:10.0f} tokens/s"
-          + (f"  peak device {peak / 2**30:.2f} GiB" if peak else ""))
+  jsonl = open(config.logging.jsonl, "a") if config.logging.jsonl else None
+  meter = monitor.Monitor(
+      total_steps=t.train_iters, tokens_per_step=t.global_batch_size * m.seq_length,
+      flops_per_token=monitor.flops_per_token(llama_config(config), m.seq_length),
+      peak_flops=(monitor.peak_flops(jax.devices()[0], m.dtype) or 0) * jax.device_count(),
+      pinned_host_bytes=jaxoffload.bytes_by_memory_kind((params, state)).get("pinned_host", 0)
+      + host_temp,
+      log=log, log_interval=config.logging.log_interval, jsonl=jsonl,
+      live=config.logging.progress_bar and log is print and sys.stdout.isatty(),
+      peak_device_bytes=jaxoffload.peak_device_bytes)
+  losses = []
+  try:
+    for i in range(first, last):
+      tokens = jax.device_put(batch_at(config, i), batch_sharding)
+      start = time.perf_counter()
+      params, state, loss = compiled(params, state, tokens)
+      losses.append(float(loss))
+      meter.record(step=i + 1, loss=losses[-1], step_s=time.perf_counter() - start)
+      if not math.isfinite(losses[-1]):
+        if checkpoints is not None:
+          checkpoints.wait_until_finished()
+        raise FloatingPointError(f"loss is {losses[-1]} at step {i + 1}; stopping" + (
+            f" (the newest good checkpoint is step {checkpoints.latest_step()})"
+            if checkpoints is not None and checkpoints.latest_step() is not None else ""))
+      if checkpoints is not None and ((i + 1) % config.checkpoint.save_interval == 0
+                                      or i + 1 == last):
+        checkpoints.save(i + 1, args=ocp.args.StandardSave({"params": params, "opt_state": state}))
+  finally:
+    if jsonl is not None:
+      jsonl.close()
   if checkpoints is not None:
     checkpoints.wait_until_finished()
+  log(meter.summary())
   return losses
 
 
@@ -210,15 +220,19 @@ def main(argv: list[str] | None = None) -> None:
   except ConfigError as error:
     print(f"error: {error}", file=sys.stderr)
     raise SystemExit(2) from None
-  start = time.perf_counter()
   try:
-    losses = train(config)
+    train(config)
   except FloatingPointError as error:
     print(f"error: {error}", file=sys.stderr)
     raise SystemExit(1) from None
-  if losses:
-    print(f"{len(losses)} steps in {time.perf_counter() - start:.1f} s; "
-          f"loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+  except jax.errors.JaxRuntimeError as error:
+    if "RESOURCE_EXHAUSTED" not in str(error):
+      raise
+    print(f"error: out of device memory: {str(error).splitlines()[0]}\n"
+          "Offload more: optimizer.optimizer_cpu_offload=True with a larger "
+          "optimizer.optimizer_offload_fraction, or model.cpu_offloading=True with more "
+          "model.cpu_offloading_num_layers (docs/config.md).", file=sys.stderr)
+    raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 """Configuration: YAML and overrides, key and type checks, and the reference system's rules."""
 
+import glob
+
 import pytest
 
 from jaxoffload import remat
@@ -47,6 +49,15 @@ def test_llama_1b_is_tinyllamas_shape():
      r"model.cpu_offloading_policy must be one of \['all', 'qkv', .*\], got 'qkvo'"),
     (["model.attention_implementation=flash"],
      r"model.attention_implementation must be one of \[None, 'xla', 'cudnn'\], got 'flash'"),
+    (["model.cpu_offloading_double_buffering=True"],
+     r"model.cpu_offloading_double_buffering=True has no setting in JAX: .*"
+     r"--xla_gpu_enable_pipelined_host_offloading"),
+    (["optimizer.use_torch_optimizer_for_cpu_offload=True"],
+     r"jaxoffload has no torch optimizer; .* optimizer.optimizer_offload_update_on"),
+    (["optimizer.use_distributed_optimizer=True", "mesh.data=2"],
+     r"optimizer.use_distributed_optimizer=True with mesh.data=2: shard the optimizer state "
+     r"with mesh.fsdp=2 instead"),
+    (["logging.log_interval=-1"], r"logging.log_interval must be at least 0, got -1"),
     (["optimizer.overlap_cpu_optimizer_d2h_h2d=True"],
      "optimizer.overlap_cpu_optimizer_d2h_h2d=True is not implemented yet"),
 ])
@@ -95,3 +106,29 @@ def test_offload_policy_picks_what_offloaded_layers_send_to_host():
   default = validate(load_config("configs/tiny.yaml", ["model.cpu_offloading=True",
                                                        "model.cpu_offloading_num_layers=2"]))
   assert default[0].placements == remat.offload_preset(remat.DEFAULT_OFFLOAD_PRESET)
+
+
+def test_a_config_file_starts_from_its_base_config(tmp_path):
+  (tmp_path / "base.yaml").write_text("model:\n  num_layers: 6\n  hidden_size: 32\n")
+  (tmp_path / "offload.yaml").write_text(
+      "base_config: base.yaml\nmodel:\n  num_layers: 8\n  cpu_offloading: true\n")
+  config = load_config(str(tmp_path / "offload.yaml"), ["model.cpu_offloading_num_layers=7"])
+  assert (config.model.num_layers, config.model.hidden_size) == (8, 32)
+  assert config.model.cpu_offloading and config.model.cpu_offloading_num_layers == 7
+
+
+def test_config_files_including_each_other_are_refused(tmp_path):
+  (tmp_path / "a.yaml").write_text("base_config: b.yaml\n")
+  (tmp_path / "b.yaml").write_text("base_config: a.yaml\n")
+  with pytest.raises(ConfigError, match=r"config files include each other: .*a.yaml -> .*b.yaml"):
+    load_config(str(tmp_path / "a.yaml"))
+
+
+def test_distributed_optimizer_on_fsdp_alone_is_accepted():
+  config = load_config(None, ["optimizer.use_distributed_optimizer=True", "mesh.fsdp=2"])
+  assert config.optimizer.use_distributed_optimizer
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob("configs/*.yaml")))
+def test_every_shipped_config_loads(path):
+  assert load_config(path).train.train_iters >= 1

@@ -1,0 +1,140 @@
+"""What a training run reports each step: loss, speed, model FLOPs utilisation and memory.
+
+``Monitor`` writes one JSON record per step to a JSONL file, shows a progress
+line (redrawn in place on a terminal, a line every ``log_interval`` steps
+otherwise) and a summary at the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from typing import Callable, Optional, TextIO
+
+import jax
+import jax.numpy as jnp
+
+from jaxoffload.model import LlamaConfig
+
+# Dense peak FLOP/s of one chip for 16-bit and for 32-bit matmuls (TF32 on
+# NVIDIA GPUs, which XLA uses for float32 at default precision), from the
+# vendors' data sheets. Devices not listed get no MFU.
+PEAK_FLOPS = {
+    "NVIDIA H200": (989e12, 494e12),
+    "NVIDIA H100 80GB HBM3": (989e12, 494e12),
+    "NVIDIA A100-SXM4-80GB": (312e12, 156e12),
+    "TPU v4": (275e12, 275e12),
+    "TPU v5 lite": (197e12, 197e12),
+    "TPU v5p": (459e12, 459e12),
+    "TPU v6 lite": (918e12, 918e12),
+}
+
+
+def flops_per_token(config: LlamaConfig, seq_len: int) -> float:
+  """Training FLOPs per token: 6 per matmul weight, plus causal attention's score and value products.
+
+  Example:
+    >>> flops_per_token(LlamaConfig(), seq_len=64)
+  """
+  heads = config.num_heads * config.head_dim
+  kv = config.num_kv_heads * config.head_dim
+  per_layer = (config.hidden_size * (heads + 2 * kv) + heads * config.hidden_size
+               + 3 * config.hidden_size * config.intermediate_size)
+  matmul_weights = config.num_layers * per_layer + config.vocab_size * config.hidden_size
+  # Forward: q.k and p.v cost 2 * seq_len * heads each, halved by the causal mask.
+  attention = config.num_layers * 2 * seq_len * heads
+  return 6.0 * matmul_weights + 3.0 * attention
+
+
+def peak_flops(device: jax.Device, dtype) -> Optional[float]:
+  """The device's dense peak FLOP/s for matmuls in ``dtype``; None when unknown (CPUs)."""
+  peaks = PEAK_FLOPS.get(device.device_kind)
+  if peaks is None:
+    return None
+  return peaks[0] if jnp.dtype(dtype).itemsize <= 2 else peaks[1]
+
+
+@dataclasses.dataclass
+class StepRecord:
+  """One step's figures, as written to the JSONL file."""
+
+  step: int
+  loss: float
+  step_s: float
+  tokens_per_s: float
+  mfu: Optional[float]  # Model FLOPs utilisation in [0, 1]; None where the peak is unknown.
+  peak_device_bytes: Optional[int]  # Since the process started; None on CPU.
+  pinned_host_bytes: int  # Offloaded training state plus the step's host temporaries.
+
+
+class Monitor:
+  """Per-step records to JSONL and a progress line; a summary at the end.
+
+  Example:
+    >>> monitor = Monitor(total_steps=100, tokens_per_step=16384, flops_per_token=6.6e9,
+    ...                   peak_flops=989e12, pinned_host_bytes=2**30, log=print)
+    >>> monitor.record(step=1, loss=10.8, step_s=0.31)
+  """
+
+  def __init__(self, *, total_steps: int, tokens_per_step: int, flops_per_token: float,
+               peak_flops: Optional[float], pinned_host_bytes: int,
+               log: Callable[[str], None] = print, log_interval: int = 0,
+               jsonl: Optional[TextIO] = None, live: bool = False,
+               peak_device_bytes: Callable[[], Optional[int]] = lambda: None):
+    self.total_steps = total_steps
+    self.tokens_per_step = tokens_per_step
+    self.flops_per_token = flops_per_token
+    self.peak_flops = peak_flops
+    self.pinned_host_bytes = pinned_host_bytes
+    self.log = log
+    self.log_interval = log_interval or max(1, total_steps // 10)
+    self.jsonl = jsonl
+    self.live = live  # Redraw one line in place (on a terminal) instead of logging lines.
+    self.peak_device_bytes = peak_device_bytes
+    self.records: list[StepRecord] = []
+
+  def record(self, *, step: int, loss: float, step_s: float) -> StepRecord:
+    """Notes a finished step; writes its JSONL record and, when due, the progress line."""
+    tokens_per_s = self.tokens_per_step / step_s
+    mfu = (tokens_per_s * self.flops_per_token / self.peak_flops) if self.peak_flops else None
+    record = StepRecord(step, loss, step_s, tokens_per_s, mfu, self.peak_device_bytes(),
+                        self.pinned_host_bytes)
+    self.records.append(record)
+    if self.jsonl is not None:
+      self.jsonl.write(json.dumps(dataclasses.asdict(record)) + "\n")
+      self.jsonl.flush()
+    due = len(self.records) == 1 or step % self.log_interval == 0 or step == self.total_steps
+    if self.live:
+      end = "\n" if step == self.total_steps else ""
+      print("\r" + self._line(record), end=end, flush=True)
+    elif due:
+      self.log(self._line(record))
+    return record
+
+  def _line(self, r: StepRecord) -> str:
+    done = r.step / self.total_steps
+    bar = "#" * int(20 * done) + "." * (20 - int(20 * done))
+    return (f"[{bar}] step {r.step}/{self.total_steps}  loss {r.loss:.4f}  "
+            f"{r.step_s * 1e3:.1f} ms  {r.tokens_per_s:,.0f} tok/s  "
+            + (f"MFU {100 * r.mfu:.1f}%  " if r.mfu is not None else "")
+            + _memory(r.peak_device_bytes, r.pinned_host_bytes))
+
+  def summary(self) -> str:
+    """The run's median step time, tokens/s, MFU, memory and loss, as one line."""
+    if not self.records:
+      return "no steps run"
+    rs = self.records
+    median_s = statistics.median(r.step_s for r in rs)
+    tokens_per_s = self.tokens_per_step / median_s
+    mfu = (f"  MFU {100 * tokens_per_s * self.flops_per_token / self.peak_flops:.1f}%"
+           if self.peak_flops else "")
+    return (f"{len(rs)} steps: loss {rs[0].loss:.4f} -> {rs[-1].loss:.4f}; median step "
+            f"{median_s * 1e3:.1f} ms, {tokens_per_s:,.0f} tok/s{mfu}; "
+            + _memory(rs[-1].peak_device_bytes, rs[-1].pinned_host_bytes))
+
+
+def _memory(peak_device: Optional[int], pinned_host: int) -> str:
+  gib = 2**30
+  device = f"peak device {peak_device / gib:.2f} GiB  " if peak_device else ""
+  return device + f"pinned host {pinned_host / gib:.2f} GiB"
