@@ -229,9 +229,6 @@ def validate(config: Config) -> tuple[remat.LayerGroup, ...]:
                       "parallelism; shard over mesh.fsdp and mesh.tensor instead")
   if m.cpu_offloading and m.cuda_graph_impl != "none":
     raise ConfigError("CUDA graphs not supported with CPU offloading.")
-  if m.cuda_graph_impl != "none":
-    raise ConfigError(f"model.cuda_graph_impl={m.cuda_graph_impl!r} (XLA's GPU command buffers) "
-                      "is not implemented yet; use 'none'")
   if m.cpu_offloading_double_buffering:
     raise ConfigError("model.cpu_offloading_double_buffering=True has no setting in JAX: XLA's "
                       "scheduler decides when offloaded layers' copies start; its flag "

@@ -4,7 +4,17 @@
 
 With no arguments it trains the tiny default model (the defaults of
 ``jaxoffload.config``) on synthetic tokens, on whatever backend JAX finds, CPU
-included, and prints the loss as it falls. Keys and rules: docs/config.md.
+included, and prints the loss as it falls.
+
+examples:
+  python -m jaxoffload.train data.dataset=text train.train_iters=200
+  python -m jaxoffload.train --config configs/llama_1b_optimizer_offload.yaml
+  python -m jaxoffload.train --config configs/llama_1b.yaml \\
+      optimizer.optimizer_cpu_offload=True optimizer.optimizer_offload_fraction=0.5 \\
+      model.cpu_offloading=True model.cpu_offloading_num_layers=11 logging.jsonl=steps.jsonl
+
+Every key, its default and the reference's rules: docs/config.md. Configs for
+each offload mode: configs/. Measured costs: docs/benchmarks/.
 """
 
 from __future__ import annotations
@@ -149,6 +159,10 @@ def train(config: Config, *, log=print, stop_after_step: int | None = None) -> l
   Progress goes to ``log`` (a line redrawn in place when it is ``print`` on a
   terminal) and, with ``logging.jsonl`` set, one JSON record per step.
   """
+  if (config.model.cuda_graph_impl != "none"
+      and COMMAND_BUFFER_FLAG not in os.environ.get("XLA_FLAGS", "")):
+    log(f"warning: model.cuda_graph_impl={config.model.cuda_graph_impl!r} needs XLA_FLAGS="
+        f"{COMMAND_BUFFER_FLAG} before JAX starts; python -m jaxoffload.train sets it")
   params, state, step, batch_sharding = build(config)
   m, t = config.model, config.train
   checkpoints = _checkpoints(config)
@@ -207,12 +221,25 @@ def train(config: Config, *, log=print, stop_after_step: int | None = None) -> l
   return losses
 
 
+# Megatron's CUDA graphs, in XLA's terms: command buffers that capture loops and
+# conditionals too, not only XLA's default kernels and library calls.
+COMMAND_BUFFER_FLAG = ("--xla_gpu_enable_command_buffer="
+                       "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL")
+
+
+def set_xla_flags(config: Config) -> None:
+  """Adds the XLA flags the config asks for; they act only if JAX has not started its backends."""
+  if config.model.cuda_graph_impl != "none":
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {COMMAND_BUFFER_FLAG}".strip()
+
+
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(
       prog="python -m jaxoffload.train", description=__doc__,
       formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--config",
-                      help="a YAML file of sections (model, optimizer, train, mesh, checkpoint)")
+                      help="a YAML file of sections (model, optimizer, train, data, logging, "
+                           "mesh, checkpoint)")
   parser.add_argument("overrides", nargs="*", metavar="section.key=value")
   args = parser.parse_args(argv)
   try:
@@ -220,6 +247,7 @@ def main(argv: list[str] | None = None) -> None:
   except ConfigError as error:
     print(f"error: {error}", file=sys.stderr)
     raise SystemExit(2) from None
+  set_xla_flags(config)
   try:
     train(config)
   except FloatingPointError as error:

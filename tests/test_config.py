@@ -44,7 +44,6 @@ def test_llama_1b_is_tinyllamas_shape():
     (["train.global_batch_size=8", "train.micro_batch_size=3"],
      r"train.global_batch_size \(8\) must be a multiple of train.micro_batch_size \(3\)"),
     (["model.dtype=float16"], r"model.dtype must be one of \['float32', 'bfloat16'\], got 'float16'"),
-    (["model.cuda_graph_impl=local"], r"model.cuda_graph_impl='local' .* is not implemented yet"),
     (["model.cpu_offloading_policy=qkvo"],
      r"model.cpu_offloading_policy must be one of \['all', 'qkv', .*\], got 'qkvo'"),
     (["model.attention_implementation=flash"],

@@ -1,6 +1,7 @@
 """The trainer: the default run, its error exits, and equal losses whatever is offloaded."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxoffload.config import load_config
-from jaxoffload.train import batch_at, build, train
+from jaxoffload.train import COMMAND_BUFFER_FLAG, batch_at, build, set_xla_flags, train
 
 STEPS = 5
 
@@ -144,3 +145,20 @@ def test_text_data_is_learned_and_every_step_goes_to_jsonl(tmp_path):
   assert all(r["tokens_per_s"] > 0 and r["step_s"] > 0 for r in records)
   # Byte-level text starts near uniform guessing (ln 256 = 5.5) and must fall well below it.
   assert losses[0] > 5.0 and max(losses[-5:]) < 3.6
+
+
+def test_help_shows_examples_and_points_at_the_config_reference():
+  result = run_cli("--help")
+  assert result.returncode == 0
+  assert "docs/config.md" in result.stdout and "--config configs/llama_1b.yaml" in result.stdout
+
+
+def test_cuda_graphs_turn_on_xla_command_buffers_for_the_run():
+  result = run_cli("model.cuda_graph_impl=local", "train.train_iters=3")
+  assert result.returncode == 0, result.stderr
+  assert "warning" not in result.stdout and "3 steps: loss" in result.stdout
+  config = load_config(None, ["model.cuda_graph_impl=transformer_engine"])
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/dump")
+    set_xla_flags(config)
+    assert os.environ["XLA_FLAGS"] == f"--xla_dump_to=/tmp/dump {COMMAND_BUFFER_FLAG}"
