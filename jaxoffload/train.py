@@ -20,6 +20,7 @@ each offload mode: configs/. Measured costs: docs/benchmarks/.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -146,8 +147,33 @@ def _checkpoints(config: Config) -> ocp.CheckpointManager | None:
   return ocp.CheckpointManager(os.path.abspath(c.dir), options=options)
 
 
+@dataclasses.dataclass
+class Run:
+  """What a training run did: each step's record and the compiled step's memory estimate."""
+
+  records: list[monitor.StepRecord]
+  compile_s: float
+  # XLA's estimate for the compiled step: device bytes of arguments, outputs
+  # and temporaries (aliased donations counted once), and host temporaries.
+  compiled_device_bytes: int
+  compiled_host_temp_bytes: int
+  offloaded_state_bytes: int  # Parameters and optimizer state in pinned_host.
+
+  @property
+  def losses(self) -> list[float]:
+    return [r.loss for r in self.records]
+
+
 def train(config: Config, *, log=print, stop_after_step: int | None = None) -> list[float]:
   """Runs steps up to ``config.train.train_iters``; returns the loss of each step run.
+
+  ``run`` takes the same arguments and returns the whole ``Run``.
+  """
+  return run(config, log=log, stop_after_step=stop_after_step).losses
+
+
+def run(config: Config, *, log=print, stop_after_step: int | None = None) -> Run:
+  """Runs steps up to ``config.train.train_iters``; returns each step's record.
 
   ``stop_after_step`` ends the run early, as an interruption would, after
   saving a checkpoint there: the schedule still spans ``train_iters``.
@@ -182,31 +208,32 @@ def train(config: Config, *, log=print, stop_after_step: int | None = None) -> l
   compile_start = time.perf_counter()
   compiled = step.lower(params, state, jax.device_put(batch_at(config, first), batch_sharding)
                         ).compile()
-  host_temp = getattr(compiled.memory_analysis(), "host_temp_size_in_bytes", 0) or 0
-  log(f"compiled the step in {time.perf_counter() - compile_start:.1f} s")
+  compile_s = time.perf_counter() - compile_start
+  analysis = compiled.memory_analysis()
+  host_temp = getattr(analysis, "host_temp_size_in_bytes", 0) or 0
+  offloaded_state = jaxoffload.bytes_by_memory_kind((params, state)).get("pinned_host", 0)
+  log(f"compiled the step in {compile_s:.1f} s")
   last = t.train_iters if stop_after_step is None else min(stop_after_step, t.train_iters)
   jsonl = open(config.logging.jsonl, "a") if config.logging.jsonl else None
   meter = monitor.Monitor(
       total_steps=t.train_iters, tokens_per_step=t.global_batch_size * m.seq_length,
       flops_per_token=monitor.flops_per_token(llama_config(config), m.seq_length),
       peak_flops=(monitor.peak_flops(jax.devices()[0], m.dtype) or 0) * jax.device_count(),
-      pinned_host_bytes=jaxoffload.bytes_by_memory_kind((params, state)).get("pinned_host", 0)
-      + host_temp,
+      pinned_host_bytes=offloaded_state + host_temp,
       log=log, log_interval=config.logging.log_interval, jsonl=jsonl,
       live=config.logging.progress_bar and log is print and sys.stdout.isatty(),
       peak_device_bytes=jaxoffload.peak_device_bytes)
-  losses = []
   try:
     for i in range(first, last):
       tokens = jax.device_put(batch_at(config, i), batch_sharding)
       start = time.perf_counter()
       params, state, loss = compiled(params, state, tokens)
-      losses.append(float(loss))
-      meter.record(step=i + 1, loss=losses[-1], step_s=time.perf_counter() - start)
-      if not math.isfinite(losses[-1]):
+      loss = float(loss)
+      meter.record(step=i + 1, loss=loss, step_s=time.perf_counter() - start)
+      if not math.isfinite(loss):
         if checkpoints is not None:
           checkpoints.wait_until_finished()
-        raise FloatingPointError(f"loss is {losses[-1]} at step {i + 1}; stopping" + (
+        raise FloatingPointError(f"loss is {loss} at step {i + 1}; stopping" + (
             f" (the newest good checkpoint is step {checkpoints.latest_step()})"
             if checkpoints is not None and checkpoints.latest_step() is not None else ""))
       if checkpoints is not None and ((i + 1) % config.checkpoint.save_interval == 0
@@ -218,7 +245,9 @@ def train(config: Config, *, log=print, stop_after_step: int | None = None) -> l
   if checkpoints is not None:
     checkpoints.wait_until_finished()
   log(meter.summary())
-  return losses
+  device_bytes = (analysis.argument_size_in_bytes + analysis.output_size_in_bytes
+                  - analysis.alias_size_in_bytes + analysis.temp_size_in_bytes)
+  return Run(meter.records, compile_s, device_bytes, host_temp, offloaded_state)
 
 
 # Megatron's CUDA graphs, in XLA's terms: command buffers that capture loops and
