@@ -57,8 +57,8 @@ def measure(mode: str, size: str, batch: int, seq: int, steps: int) -> dict:
   import jax.numpy as jnp
 
   import jaxoffload
-  from jaxoffload.model import (Llama, LlamaConfig, activation_bytes, init_params,
-                                next_token_loss, regroup)
+  from jaxoffload.model import (Llama, LlamaConfig, init_params, next_token_loss,
+                                offloaded_activation_bytes, regroup)
 
   config = LlamaConfig(**SIZES[size], max_seq_len=seq, dtype=jnp.bfloat16)
   groups = groups_for(mode, config.num_layers)
@@ -83,10 +83,7 @@ def measure(mode: str, size: str, batch: int, seq: int, steps: int) -> dict:
     return grads
 
   times = time_steps(run_step, steps)
-  per_layer = activation_bytes(config, batch, seq)
-  offloaded = sum(
-      (g.stop - g.start) * per_layer[name] for g in groups if g.placements
-      for name, placement in g.placements.items() if placement == "offload")
+  offloaded = offloaded_activation_bytes(config, groups, batch, seq)
   return {
       "mode": mode, "step_s_median": median(times), "step_s_all": times,
       "loss": float(losses[-1]), "peak_device_bytes": jaxoffload.peak_device_bytes(),

@@ -25,6 +25,12 @@ import subprocess
 import sys
 from typing import Optional
 
+import jax
+
+from jaxoffload.config import ConfigError, load_config, validate
+from jaxoffload.model import offloaded_activation_bytes
+from jaxoffload.train import llama_config, run
+
 GIB = 2**30
 FRACTIONS = (0.25, 0.5, 1.0)
 PLACES = ("device", "host")
@@ -49,14 +55,16 @@ def default_settings(num_layers: int) -> dict[str, list[str]]:
   return settings
 
 
+def predicted_activation_bytes(config) -> int:
+  """What the config's activation offload moves to the host in one forward pass, by arithmetic."""
+  return offloaded_activation_bytes(llama_config(config), validate(config),
+                                    config.train.micro_batch_size, config.model.seq_length)
+
+
 def measure(config_path: Optional[str], overrides: list[str]) -> dict:
   """One setting's figures, from a trainer run in this process."""
-  import jax
-
-  from jaxoffload.config import load_config
-  from jaxoffload.train import run
-
-  result = run(load_config(config_path, overrides), log=lambda line: print(line, file=sys.stderr))
+  config = load_config(config_path, overrides)
+  result = run(config, log=lambda line: print(line, file=sys.stderr))
   times = [r.step_s for r in result.records]
   last = result.records[-1]
   return {
@@ -69,6 +77,7 @@ def measure(config_path: Optional[str], overrides: list[str]) -> dict:
       "compiled_device_bytes": result.compiled_device_bytes,
       "compiled_host_temp_bytes": result.compiled_host_temp_bytes,
       "offloaded_state_bytes": result.offloaded_state_bytes,
+      "offloaded_activation_bytes": predicted_activation_bytes(config),
       "pinned_host_bytes": last.pinned_host_bytes,
       "device": jax.devices()[0].device_kind, "device_count": jax.device_count(),
       "jax": jax.__version__,
@@ -83,9 +92,10 @@ def compare(results: list[dict]) -> None:
     r["device_bytes"] = r["peak_device_bytes"] or r["compiled_device_bytes"]
     r["memory_ratio"] = r["device_bytes"] / (base["peak_device_bytes"]
                                              or base["compiled_device_bytes"])
-    # What the arithmetic says leaves the device: offloaded state, and
-    # activations as XLA's host temporaries.
-    r["predicted_saving_bytes"] = r["offloaded_state_bytes"] + r["compiled_host_temp_bytes"]
+    # What the arithmetic says leaves the device: offloaded state and activations.
+    # Offloaded layers also recompute what they do not offload, so their
+    # measured saving can pass the prediction.
+    r["predicted_saving_bytes"] = r["offloaded_state_bytes"] + r["offloaded_activation_bytes"]
     r["measured_saving_bytes"] = (base["peak_device_bytes"] or base["compiled_device_bytes"]
                                   ) - r["device_bytes"]
     r["max_abs_loss_diff"] = max(abs(a - b) for a, b in zip(r["losses"], base["losses"]))
@@ -98,7 +108,8 @@ def markdown(meta: dict, results: list[dict]) -> str:
       f"# Offload settings for `{meta['config']}`, {meta['steps']} steps each",
       "",
       f"Device: {meta['device_count']} x {meta['device']}; JAX {meta['jax']}; "
-      f"{meta['host_cores']} host cores; {meta['date']}.",
+      f"{meta['host_cores']} host cores; {meta['date']}"
+      + (f"; XLA_FLAGS `{meta['xla_flags']}`." if meta.get("xla_flags") else "."),
       f"Command: `{meta['command']}`",
       "",
       "| setting | step (s) median [min, max] | vs baseline | tokens/s | MFU | peak device (GiB) "
@@ -197,6 +208,10 @@ def main(argv: Optional[list[str]] = None) -> None:
   parser.add_argument("--settings", help="comma-separated names from the default matrix "
                                          "(the baseline is always run first)")
   parser.add_argument("--out", default="bench/results", help="output path prefix")
+  parser.add_argument("--xla-flags", default="",
+                      help="XLA_FLAGS for every setting (write --xla-flags=...); on a GPU, "
+                           "--xla-flags=--xla_gpu_deterministic_ops=true "
+                           "makes equal programs give equal losses (see docs/benchmarks)")
   parser.add_argument("--replot", metavar="JSON", help="only redraw the plots of a results file")
   parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
   parser.add_argument("overrides", nargs="*", metavar="section.key=value",
@@ -208,8 +223,6 @@ def main(argv: Optional[list[str]] = None) -> None:
   if args.child:
     print(json.dumps(measure(args.config, args.overrides)))
     return
-
-  from jaxoffload.config import ConfigError, load_config
 
   common = [*args.overrides, f"train.train_iters={args.steps}", "checkpoint.dir=null",
             "logging.progress_bar=False"]
@@ -226,11 +239,13 @@ def main(argv: Optional[list[str]] = None) -> None:
   except ConfigError as error:
     print(f"error: {error}", file=sys.stderr)
     raise SystemExit(2) from None
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {args.xla_flags}".strip()
   results = []
   for name, overrides in matrix.items():
     command = [sys.executable, "-m", "jaxoffload.bench", "--child"]
     command += (["--config", args.config] if args.config else []) + common + overrides
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
     if done.returncode != 0:
       sys.stderr.write(done.stderr[-3000:])
       raise SystemExit(f"setting {name!r} failed (exit status {done.returncode})")
@@ -243,6 +258,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     meta = {"config": args.config or "(defaults)", "steps": args.steps,
             **{key: results[0][key] for key in ("device", "device_count", "jax")},
             "host_cores": os.cpu_count(), "date": datetime.date.today().isoformat(),
+            "xla_flags": env["XLA_FLAGS"],
             "command": "python -m jaxoffload.bench " + shlex.join(argv or sys.argv[1:])}
     table = write(args.out, meta, results)  # After every setting: a cut-short run keeps its part.
   print(table)

@@ -198,6 +198,14 @@ def activation_bytes(config: LlamaConfig, batch: int, seq_len: int) -> dict[str,
   return {name: tokens_bytes * width for name, width in widths.items()}
 
 
+def offloaded_activation_bytes(config: LlamaConfig, groups: Sequence[LayerGroup], batch: int,
+                               seq_len: int) -> int:
+  """Bytes the groups' placements send to pinned_host in one forward pass of ``batch`` sequences."""
+  per_layer = activation_bytes(config, batch, seq_len)
+  return sum((g.stop - g.start) * per_layer[name] for g in groups if g.placements
+             for name, placement in g.placements.items() if placement == "offload")
+
+
 def logical_param_specs(model: Llama, tokens: jax.Array) -> Any:
   """The parameters' logical ``PartitionSpec``s, found without allocating them."""
   boxed = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), tokens)["params"])

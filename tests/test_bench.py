@@ -1,0 +1,64 @@
+"""The benchmark runner: its settings, its comparisons, and a whole run on the tiny model."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from jaxoffload import bench
+from jaxoffload.config import load_config
+
+
+def test_default_settings_are_valid_configs_with_the_baseline_first():
+  settings = bench.default_settings(num_layers=4)
+  assert list(settings)[0] == "baseline" and settings["baseline"] == []
+  assert {"optimizer 0.25 device", "optimizer 1.0 host", "activations 2 layers",
+          "activations 3 layers", "optimizer 0.5 device + activations 3 layers"} <= set(settings)
+  for overrides in settings.values():
+    load_config(None, overrides)
+
+
+def test_comparison_against_the_baseline():
+  common = dict(offloaded_state_bytes=0, offloaded_activation_bytes=0, compiled_device_bytes=0)
+  results = [
+      dict(common, step_s_median=0.2, peak_device_bytes=1000, losses=[3.0, 2.0]),
+      dict(common, step_s_median=0.3, peak_device_bytes=600, losses=[3.0, 2.5],
+           offloaded_state_bytes=300, offloaded_activation_bytes=50),
+  ]
+  bench.compare(results)
+  assert results[1]["step_ratio"] == pytest.approx(1.5)
+  assert results[1]["memory_ratio"] == pytest.approx(0.6)
+  assert results[1]["predicted_saving_bytes"] == 350
+  assert results[1]["measured_saving_bytes"] == 400
+  assert results[1]["max_abs_loss_diff"] == pytest.approx(0.5)
+
+
+def test_a_run_on_the_tiny_model_writes_json_table_and_plots(tmp_path):
+  out = tmp_path / "tiny"
+  done = subprocess.run(
+      [sys.executable, "-m", "jaxoffload.bench", "--steps", "3", "--out", str(out),
+       "--settings", "optimizer 0.5 device,activations 2 layers"],
+      capture_output=True, text=True, timeout=900, check=False)
+  assert done.returncode == 0, done.stderr[-3000:]
+  report = json.loads((tmp_path / "tiny.json").read_text())
+  names = [r["setting"] for r in report["results"]]
+  assert names == ["baseline", "optimizer 0.5 device", "activations 2 layers"]
+  assert report["meta"]["device"] and report["meta"]["jax"] and report["meta"]["steps"] == 3
+  for r in report["results"]:
+    assert len(r["losses"]) == 3 and len(r["step_s"]) == 3
+    assert r["max_abs_loss_diff"] <= 1e-5 * r["losses"][0]
+  optimizer = report["results"][1]
+  assert optimizer["offloaded_state_bytes"] > 0 and optimizer["pinned_host_bytes"] > 0
+  assert report["results"][2]["offloaded_activation_bytes"] > 0
+  table = (tmp_path / "tiny.md").read_text()
+  assert "| optimizer 0.5 device |" in table and "Largest loss difference" in table
+  assert (tmp_path / "tiny_memory.png").stat().st_size > 0
+  assert (tmp_path / "tiny_frontier.png").stat().st_size > 0
+
+
+def test_unknown_setting_names_the_known_ones(tmp_path):
+  done = subprocess.run([sys.executable, "-m", "jaxoffload.bench", "--settings", "optimiser 0.5",
+                         "--out", str(tmp_path / "x")], capture_output=True, text=True, timeout=300)
+  assert done.returncode == 2
+  assert done.stderr.startswith("error: unknown settings ['optimiser 0.5']; known: ['baseline',")
