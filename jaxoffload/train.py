@@ -139,7 +139,18 @@ def build(config: Config):
   return params, state, step, sharding.batch_sharding(mesh)
 
 
-def _checkpoints(config: Config) -> ocp.CheckpointManager | None:
+def restore(checkpoints: ocp.CheckpointManager, step: int, params, state):
+  """Step ``step``'s parameters and optimizer state, read straight into the shardings and
+  memory kinds of ``params`` and ``state`` (orbax records no memory kind, so the target names it).
+  """
+  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                        {"params": params, "opt_state": state})
+  restored = checkpoints.restore(step, args=ocp.args.StandardRestore(target))
+  return restored["params"], restored["opt_state"]
+
+
+def checkpoint_manager(config: Config) -> ocp.CheckpointManager | None:
+  """Orbax's manager of ``checkpoint.dir``: asynchronous saves, the newest ``keep`` kept."""
   c = config.checkpoint
   if c.dir is None:
     return None
@@ -191,14 +202,11 @@ def run(config: Config, *, log=print, stop_after_step: int | None = None) -> Run
         f"{COMMAND_BUFFER_FLAG} before JAX starts; python -m jaxoffload.train sets it")
   params, state, step, batch_sharding = build(config)
   m, t = config.model, config.train
-  checkpoints = _checkpoints(config)
+  checkpoints = checkpoint_manager(config)
   first = 0
   if checkpoints is not None and config.checkpoint.resume and checkpoints.latest_step() is not None:
     first = checkpoints.latest_step()
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                          {"params": params, "opt_state": state})
-    restored = checkpoints.restore(first, args=ocp.args.StandardRestore(target))
-    params, state = restored["params"], restored["opt_state"]
+    params, state = restore(checkpoints, first, params, state)
     log(f"resumed from step {first} in {config.checkpoint.dir}")
   log(f"backend {jax.default_backend()} ({jax.device_count()} x {jax.devices()[0].device_kind}); "
       f"{m.num_layers} layers, hidden {m.hidden_size}; "

@@ -8,10 +8,12 @@ import sys
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from jaxoffload.config import load_config
-from jaxoffload.train import COMMAND_BUFFER_FLAG, batch_at, build, set_xla_flags, train
+from jaxoffload.train import (COMMAND_BUFFER_FLAG, batch_at, build, checkpoint_manager, restore,
+                              set_xla_flags, train)
 
 STEPS = 5
 
@@ -31,6 +33,16 @@ def test_default_run_trains_and_the_loss_falls():
 @pytest.mark.parametrize("args, message", [
     (["model.cpu_offloading=True", "model.recompute_granularity=full"],
      "error: CPU offloading does not work when activation recomputation is enabled\n"),
+    (["model.cpu_offloading=True", "model.pipeline_model_parallel_size=2"],
+     "error: Currently there is no support for Pipeline parallelism with CPU offloading\n"),
+    (["model.cpu_offloading=True", "model.cuda_graph_impl=transformer_engine"],
+     "error: CUDA graphs not supported with CPU offloading.\n"),
+    (["model.cpu_offloading=True", "model.fine_grained_activation_offloading=True"],
+     "error: fine_grained_activation_offloading cannot be enabled with cpu_offloading.\n"),
+    (["model.cpu_offloading=True", "model.cpu_offloading_num_layers=4"],
+     "error: cpu_offloading_num_layers must be in [0, num_layers - 1] = [0, 3], got 4\n"),
+    (["optimizer.optimizer_offload_fraction=-0.1"],
+     "error: optimizer.optimizer_offload_fraction must be in [0.0, 1.0], got -0.1\n"),
     (["optimizer.optimizer_offload_fractoin=0.5"],
      "error: unknown config key 'optimizer.optimizer_offload_fractoin'; "
      "did you mean 'optimizer.optimizer_offload_fraction'?\n"),
@@ -162,3 +174,33 @@ def test_cuda_graphs_turn_on_xla_command_buffers_for_the_run():
     patch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/dump")
     set_xla_flags(config)
     assert os.environ["XLA_FLAGS"] == f"--xla_dump_to=/tmp/dump {COMMAND_BUFFER_FLAG}"
+
+
+def test_offloaded_state_is_restored_into_pinned_host(tmp_path):
+  config = load_config(None, ["optimizer.optimizer_cpu_offload=True",
+                              "optimizer.optimizer_offload_fraction=0.5",
+                              "model.cpu_offloading=True", "model.cpu_offloading_num_layers=2",
+                              "model.cpu_offloading_weights=True", f"checkpoint.dir={tmp_path}"])
+  params, state, _, _ = build(config)
+  kinds = lambda tree: [x.sharding.memory_kind for x in jax.tree.leaves(tree)]
+  assert "pinned_host" in kinds(params) and "pinned_host" in kinds(state)
+  checkpoints = checkpoint_manager(config)
+  checkpoints.save(1, args=ocp.args.StandardSave({"params": params, "opt_state": state}))
+  checkpoints.wait_until_finished()
+  restored_params, restored_state = restore(checkpoints, 1, params, state)
+  assert kinds(restored_params) == kinds(params) and kinds(restored_state) == kinds(state)
+  for got, want in zip(jax.tree.leaves((restored_params, restored_state)),
+                       jax.tree.leaves((params, state))):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_nan_stop_keeps_the_last_good_checkpoint(tmp_path):
+  config = load_config(None, ["train.train_iters=8", "optimizer.lr=1e30", "optimizer.min_lr=1e29",
+                              "optimizer.lr_warmup_iters=0", f"checkpoint.dir={tmp_path}",
+                              "checkpoint.save_interval=1"])
+  with pytest.raises(FloatingPointError) as stop:
+    train(config, log=lambda _: None)
+  step = int(re.search(r"at step (\d+)", str(stop.value)).group(1))
+  saved = sorted(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit())
+  assert saved and max(saved) == step - 1
+  assert f"the newest good checkpoint is step {step - 1}" in str(stop.value)
