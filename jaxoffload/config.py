@@ -117,6 +117,18 @@ class MeshConfig:
 
 
 @dataclasses.dataclass
+class DistributedConfig:
+  """``distributed.*``: one process per host, joined by ``jax.distributed.initialize``."""
+
+  initialize: bool = False  # Call jax.distributed.initialize before anything else.
+  # Left null, JAX detects them on clusters it knows (SLURM, Open MPI, TPU pods,
+  # Kubernetes); name them elsewhere, the same address on every process.
+  coordinator_address: Optional[str] = None  # host:port of process 0.
+  num_processes: Optional[int] = None
+  process_id: Optional[int] = None
+
+
+@dataclasses.dataclass
 class CheckpointConfig:
   """``checkpoint.*``: orbax checkpoints of parameters and optimizer state."""
 
@@ -136,6 +148,7 @@ class Config:
   data: DataConfig = dataclasses.field(default_factory=DataConfig)
   logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
   mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+  distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
   checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
 
 
@@ -258,6 +271,15 @@ def validate(config: Config) -> tuple[remat.LayerGroup, ...]:
   if config.logging.log_interval < 0:
     raise ConfigError(f"logging.log_interval must be at least 0, got "
                       f"{config.logging.log_interval}")
+  d = config.distributed
+  if not d.initialize and (d.coordinator_address, d.num_processes, d.process_id) != (None,) * 3:
+    raise ConfigError("distributed.coordinator_address, num_processes and process_id take effect "
+                      "only with distributed.initialize=True")
+  if d.num_processes is not None and d.num_processes < 1:
+    raise ConfigError(f"distributed.num_processes must be at least 1, got {d.num_processes}")
+  if d.process_id is not None and not 0 <= d.process_id < (d.num_processes or d.process_id + 1):
+    raise ConfigError(f"distributed.process_id must be in [0, distributed.num_processes - 1], "
+                      f"got {d.process_id}")
   if o.overlap_cpu_optimizer_d2h_h2d:
     raise ConfigError("optimizer.overlap_cpu_optimizer_d2h_h2d=True is not implemented yet; XLA "
                       "schedules the copies of optimizer_offload_update_on=device by itself")

@@ -27,6 +27,7 @@ import sys
 import time
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import orbax.checkpoint as ocp
 
@@ -78,11 +79,25 @@ def batch_at(config: Config, step: int) -> jax.Array:
   return data.synthetic_batch(t.seed, step, t.global_batch_size, m.seq_length, m.vocab_size)
 
 
+def global_batch(config: Config, step: int, batch_sharding: jax.sharding.Sharding) -> jax.Array:
+  """Step ``step``'s tokens as one array over the mesh; each process places only its own shards.
+
+  Every process computes the same global batch from the seed and the step, so
+  no process needs another's data.
+  """
+  tokens = np.asarray(batch_at(config, step))
+  return jax.make_array_from_callback(tokens.shape, batch_sharding, lambda index: tokens[index])
+
+
 def build(config: Config):
   """Placed parameters, optimizer state, the jitted train step and the batch sharding."""
   groups = validate(config)
   model_config = llama_config(config)
   mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+  if jax.process_count() > 1 and mesh.size != jax.device_count():
+    raise ConfigError(f"mesh data={config.mesh.data} x fsdp={config.mesh.fsdp} x tensor="
+                      f"{config.mesh.tensor} must use all {jax.device_count()} devices of the "
+                      f"{jax.process_count()} processes")
   model = Llama(model_config, groups)
   tokens = batch_at(config, 0)
   shardings = sharding.logical_shardings(mesh, logical_param_specs(model, tokens))
@@ -186,6 +201,9 @@ def train(config: Config, *, log=print, stop_after_step: int | None = None) -> l
 def run(config: Config, *, log=print, stop_after_step: int | None = None) -> Run:
   """Runs steps up to ``config.train.train_iters``; returns each step's record.
 
+  Across several processes (``distributed.*``) every process runs this; only
+  process 0 logs and writes the JSONL file.
+
   ``stop_after_step`` ends the run early, as an interruption would, after
   saving a checkpoint there: the schedule still spans ``train_iters``.
 
@@ -196,6 +214,9 @@ def run(config: Config, *, log=print, stop_after_step: int | None = None) -> Run
   Progress goes to ``log`` (a line redrawn in place when it is ``print`` on a
   terminal) and, with ``logging.jsonl`` set, one JSON record per step.
   """
+  reporting = jax.process_index() == 0
+  if not reporting:
+    log = lambda _: None
   if (config.model.cuda_graph_impl != "none"
       and COMMAND_BUFFER_FLAG not in os.environ.get("XLA_FLAGS", "")):
     log(f"warning: model.cuda_graph_impl={config.model.cuda_graph_impl!r} needs XLA_FLAGS="
@@ -214,15 +235,14 @@ def run(config: Config, *, log=print, stop_after_step: int | None = None) -> Run
   if config.optimizer.optimizer_cpu_offload:
     log(str(jaxoffload.find_offload_plan(state)))
   compile_start = time.perf_counter()
-  compiled = step.lower(params, state, jax.device_put(batch_at(config, first), batch_sharding)
-                        ).compile()
+  compiled = step.lower(params, state, global_batch(config, first, batch_sharding)).compile()
   compile_s = time.perf_counter() - compile_start
   analysis = compiled.memory_analysis()
   host_temp = getattr(analysis, "host_temp_size_in_bytes", 0) or 0
   offloaded_state = jaxoffload.bytes_by_memory_kind((params, state)).get("pinned_host", 0)
   log(f"compiled the step in {compile_s:.1f} s")
   last = t.train_iters if stop_after_step is None else min(stop_after_step, t.train_iters)
-  jsonl = open(config.logging.jsonl, "a") if config.logging.jsonl else None
+  jsonl = open(config.logging.jsonl, "a") if config.logging.jsonl and reporting else None
   meter = monitor.Monitor(
       total_steps=t.train_iters, tokens_per_step=t.global_batch_size * m.seq_length,
       flops_per_token=monitor.flops_per_token(llama_config(config), m.seq_length),
@@ -233,10 +253,10 @@ def run(config: Config, *, log=print, stop_after_step: int | None = None) -> Run
       peak_device_bytes=jaxoffload.peak_device_bytes)
   try:
     for i in range(first, last):
-      tokens = jax.device_put(batch_at(config, i), batch_sharding)
+      tokens = global_batch(config, i, batch_sharding)
       start = time.perf_counter()
       params, state, loss = compiled(params, state, tokens)
-      loss = float(loss)
+      loss = float(loss.addressable_data(0))  # Replicated: every process holds it.
       meter.record(step=i + 1, loss=loss, step_s=time.perf_counter() - start)
       if not math.isfinite(loss):
         if checkpoints is not None:
@@ -270,13 +290,27 @@ def set_xla_flags(config: Config) -> None:
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {COMMAND_BUFFER_FLAG}".strip()
 
 
+def start_processes(config: Config) -> None:
+  """Joins this process to the others with ``jax.distributed.initialize`` when the config asks.
+
+  Must run before JAX starts its backends. On CPUs the processes exchange data
+  through gloo.
+  """
+  d = config.distributed
+  if not d.initialize:
+    return
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(coordinator_address=d.coordinator_address,
+                             num_processes=d.num_processes, process_id=d.process_id)
+
+
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(
       prog="python -m jaxoffload.train", description=__doc__,
       formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--config",
                       help="a YAML file of sections (model, optimizer, train, data, logging, "
-                           "mesh, checkpoint)")
+                           "mesh, distributed, checkpoint)")
   parser.add_argument("overrides", nargs="*", metavar="section.key=value")
   args = parser.parse_args(argv)
   try:
@@ -285,6 +319,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"error: {error}", file=sys.stderr)
     raise SystemExit(2) from None
   set_xla_flags(config)
+  start_processes(config)
   try:
     train(config)
   except FloatingPointError as error:

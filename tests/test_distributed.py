@@ -1,0 +1,62 @@
+"""Several processes joined by jax.distributed train like one process with all their devices."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from jaxoffload.config import ConfigError, load_config
+from jaxoffload.train import train
+
+COMMON = ["train.train_iters=5", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2",
+          "optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5",
+          "model.cpu_offloading=True", "model.cpu_offloading_num_layers=2"]
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu" or len(jax.devices()) < 8,
+                    reason="two CPU processes of 4 devices against this process's 8")
+def test_two_processes_of_four_devices_train_like_one_of_eight(tmp_path):
+  port = free_port()
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  processes = [
+      subprocess.Popen(
+          [sys.executable, "-m", "jaxoffload.train", *COMMON, "distributed.initialize=True",
+           f"distributed.coordinator_address=localhost:{port}", "distributed.num_processes=2",
+           f"distributed.process_id={i}", f"logging.jsonl={tmp_path}/steps{i}.jsonl",
+           f"checkpoint.dir={tmp_path}/checkpoints"],
+          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+      for i in range(2)]
+  outputs = [p.communicate(timeout=600) for p in processes]
+  for p, (_, err) in zip(processes, outputs):
+    assert p.returncode == 0, err[-3000:]
+  # Only process 0 reports (gloo writes its own lines on both).
+  assert "backend cpu (8 x cpu)" in outputs[0][0] and "5 steps: loss" in outputs[0][0]
+  assert "backend" not in outputs[1][0] and "loss" not in outputs[1][0]
+  assert not (tmp_path / "steps1.jsonl").exists()
+  losses = [json.loads(line)["loss"] for line in (tmp_path / "steps0.jsonl").read_text().splitlines()]
+  want = train(load_config(None, COMMON), log=lambda _: None)
+  np.testing.assert_allclose(losses, want, rtol=1e-5)
+  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["5"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["distributed.num_processes=2"], "take effect only with distributed.initialize=True"),
+    (["distributed.initialize=True", "distributed.num_processes=2", "distributed.process_id=2"],
+     r"distributed.process_id must be in \[0, distributed.num_processes - 1\], got 2"),
+    (["distributed.initialize=True", "distributed.num_processes=0"],
+     "distributed.num_processes must be at least 1, got 0"),
+])
+def test_bad_distributed_settings_name_the_key(overrides, message):
+  with pytest.raises(ConfigError, match=message):
+    load_config(None, overrides)
