@@ -1,0 +1,123 @@
+"""AdamW on the host's cores, in place, outside any XLA program.
+
+XLA's host computation (``compute_on('device_host')``) runs on one core
+(0.44 G params/s on the H200's host); a numba kernel over all cores updated
+pinned buffers at 5.2 G params/s there (FACTS.md). This module is that kernel:
+``adamw_update`` applies one AdamW step to float32 arrays in place, with
+optax.adamw's arithmetic, using every core numba is allowed.
+
+It works on numpy arrays. ``writable_view`` gives one over the memory of a
+single-shard JAX array in host memory, so the kernel can update JAX's pinned
+buffers without copies; that writes behind JAX's back, with the rules listed
+there. Needs the ``host`` extra (numba).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+
+import jax
+import numpy as np
+
+try:
+  import numba
+except ImportError:  # The in-graph transforms work without it.
+  numba = None
+
+
+def _require_numba() -> None:
+  if numba is None:
+    raise ImportError("jaxoffload.host_adam needs numba: pip install 'jaxoffload[host]'")
+
+
+@functools.cache
+def _kernel():
+  """The compiled kernel, built on first use (numba compiles it once per process)."""
+  _require_numba()
+
+  @numba.njit(parallel=True, cache=True)
+  def step(param, grad, mu, nu, lr, b1, b2, eps, weight_decay, bias1, bias2):
+    # Element by element, as optax.adamw: moments, bias correction, decoupled
+    # weight decay, learning rate. Scalars are float32, so is the arithmetic.
+    one = np.float32(1.0)
+    for i in numba.prange(param.size):
+      g = grad[i]
+      m = b1 * mu[i] + (one - b1) * g
+      v = b2 * nu[i] + (one - b2) * (g * g)
+      mu[i] = m
+      nu[i] = v
+      update = (m / bias1) / (np.float32(math.sqrt(v / bias2)) + eps) + weight_decay * param[i]
+      param[i] = param[i] - lr * update
+
+  return step
+
+
+def adamw_update(param: np.ndarray, grad: np.ndarray, mu: np.ndarray, nu: np.ndarray, *,
+                 learning_rate: float, count: int, b1: float = 0.9, b2: float = 0.999,
+                 eps: float = 1e-8, weight_decay: float = 1e-4) -> None:
+  """One AdamW step on float32 arrays, in place, on every core numba may use.
+
+  Args:
+    param, grad, mu, nu: float32 arrays of one shape, C-contiguous; ``param``,
+      ``mu`` and ``nu`` are overwritten.
+    learning_rate: this step's learning rate.
+    count: the step number, from 1, for the bias corrections.
+    b1, b2, eps, weight_decay: as ``optax.adamw``.
+
+  Raises:
+    ValueError: naming the array that is not float32, not contiguous or of
+      another shape.
+
+  Example:
+    >>> adamw_update(w, g, m, v, learning_rate=3e-4, count=1)
+  """
+  for name, array in (("param", param), ("grad", grad), ("mu", mu), ("nu", nu)):
+    if array.dtype != np.float32:
+      raise ValueError(f"{name} must be float32, got {array.dtype}")
+    if not array.flags.c_contiguous:
+      raise ValueError(f"{name} must be C-contiguous")
+    if array.shape != param.shape:
+      raise ValueError(f"{name} has shape {array.shape}, param has {param.shape}")
+  if count < 1:
+    raise ValueError(f"count must be at least 1 (the first step is 1), got {count}")
+  f32 = np.float32
+  _kernel()(param.reshape(-1), grad.reshape(-1), mu.reshape(-1), nu.reshape(-1),
+            f32(learning_rate), f32(b1), f32(b2), f32(eps), f32(weight_decay),
+            f32(1 - b1**count), f32(1 - b2**count))
+
+
+def writable_view(array: jax.Array) -> np.ndarray:
+  """A writable numpy array over the memory of a one-shard JAX array in host memory.
+
+  For the host kernel to update JAX's pinned buffers in place. Writing behind
+  JAX's back is safe only if: the array is in host memory (``pinned_host``, or
+  any array on the CPU backend); every computation that reads or writes it
+  has finished (``jax.block_until_ready``) before you write and no
+  transfer of it is in flight while you do; no other array shares its buffer
+  (donation can make one, and on the CPU backend ``jax.device_put`` of a numpy
+  array may keep using that array's memory); and it was never converted with
+  ``np.asarray`` or printed before the write, since JAX keeps that first
+  conversion and would show it again.
+
+  Raises:
+    ValueError: for an array of several shards or in device memory.
+  """
+  shards = array.addressable_shards
+  if len(shards) != 1 or array.sharding.device_set != {shards[0].device}:
+    raise ValueError(f"writable_view takes an array of one shard, got {len(shards)} on "
+                     f"{len(array.sharding.device_set)} devices")
+  kind = array.sharding.memory_kind
+  if shards[0].device.platform != "cpu" and kind != "pinned_host":
+    raise ValueError(f"writable_view needs host memory; the array is in {kind!r}")
+  data = shards[0].data
+  pointer = data.unsafe_buffer_pointer()
+  buffer = (ctypes.c_byte * data.nbytes).from_address(pointer)
+  return np.frombuffer(buffer, dtype=data.dtype).reshape(data.shape)
+
+
+def max_threads() -> int:
+  """How many threads the kernel may use (numba's setting; ``NUMBA_NUM_THREADS`` caps it)."""
+  _require_numba()
+  return numba.get_num_threads()

@@ -1,0 +1,98 @@
+"""The host AdamW kernel: optax.adamw's numbers, in place, and on JAX's own host buffers."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxoffload import host_adam
+
+HYPER = dict(b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
+SCHEDULE = [3e-3, 2e-3, 1e-3, 1e-3, 5e-4]
+
+
+def float64_adamw(param, grads):
+  """AdamW in float64, the textbook way, for ``len(grads)`` steps."""
+  param, mu, nu = param.astype(np.float64), 0.0, 0.0
+  for count, (grad, lr) in enumerate(zip(grads, SCHEDULE), start=1):
+    grad = grad.astype(np.float64)
+    mu = HYPER["b1"] * mu + (1 - HYPER["b1"]) * grad
+    nu = HYPER["b2"] * nu + (1 - HYPER["b2"]) * grad**2
+    mu_hat, nu_hat = mu / (1 - HYPER["b1"]**count), nu / (1 - HYPER["b2"]**count)
+    param = param - lr * (mu_hat / (np.sqrt(nu_hat) + HYPER["eps"]) + HYPER["weight_decay"] * param)
+  return param
+
+
+@pytest.fixture
+def problem():
+  rng = np.random.default_rng(0)
+  param = rng.standard_normal((64, 33)).astype(np.float32)
+  grads = [rng.standard_normal(param.shape).astype(np.float32) for _ in SCHEDULE]
+  return param, grads
+
+
+def test_matches_optax_adamw_and_float64(problem):
+  param, grads = problem
+  got, mu, nu = param.copy(), np.zeros_like(param), np.zeros_like(param)
+  for count, (grad, lr) in enumerate(zip(grads, SCHEDULE), start=1):
+    host_adam.adamw_update(got, grad, mu, nu, learning_rate=lr, count=count, **HYPER)
+
+  want = jnp.asarray(param)
+  opt = optax.adamw(lambda count: jnp.asarray(SCHEDULE)[count], **HYPER)
+  state = opt.init(want)
+  for grad in grads:
+    updates, state = opt.update(jnp.asarray(grad), state, want)
+    want = optax.apply_updates(want, updates)
+
+  exact = float64_adamw(param, grads)
+  scale = np.max(np.abs(exact))
+  assert np.max(np.abs(got - exact)) / scale <= 1e-6
+  assert np.max(np.abs(got - np.asarray(want))) / scale <= 1e-6
+  np.testing.assert_allclose(mu, np.asarray(state[0].mu), rtol=1e-6, atol=1e-7)
+
+
+def test_updates_a_jax_host_array_in_place(problem):
+  param, grads = problem
+  expected = param.copy()
+  host_adam.adamw_update(expected, grads[0], np.zeros_like(param), np.zeros_like(param),
+                         learning_rate=1e-2, count=1, **HYPER)
+  host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+  # A copy: on the CPU backend device_put may share the numpy array's memory.
+  weights = jax.device_put(param.copy(), host)
+  mu, nu = (jax.device_put(np.zeros_like(param), host) for _ in range(2))
+  jax.block_until_ready((weights, mu, nu))
+  views = [host_adam.writable_view(x) for x in (weights, mu, nu)]
+  host_adam.adamw_update(views[0], grads[0], views[1], views[2], learning_rate=1e-2, count=1,
+                         **HYPER)
+  # A computation reads the buffer itself, as the next training step would.
+  np.testing.assert_array_equal(np.asarray(jax.jit(lambda w: w * 1.0)(weights)), expected)
+  assert weights.sharding.memory_kind == "pinned_host"
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda a: a.astype(np.float64), "grad must be float32, got float64"),
+    (lambda a: np.asfortranarray(a), "grad must be C-contiguous"),
+    (lambda a: a[:, :4].copy(), r"grad has shape \(64, 4\), param has \(64, 33\)"),
+])
+def test_bad_arrays_are_named(problem, change, message):
+  param, grads = problem
+  zeros = np.zeros_like(param)
+  with pytest.raises(ValueError, match=message):
+    host_adam.adamw_update(param, change(grads[0]), zeros, zeros.copy(), learning_rate=1e-3,
+                           count=1)
+
+
+def test_step_count_starts_at_one(problem):
+  param, grads = problem
+  with pytest.raises(ValueError, match="count must be at least 1"):
+    host_adam.adamw_update(param, grads[0], np.zeros_like(param), np.zeros_like(param),
+                           learning_rate=1e-3, count=0)
+
+
+def test_writable_view_refuses_sharded_arrays():
+  mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+  sharded = jax.device_put(np.zeros(8, np.float32),
+                           jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x")))
+  with pytest.raises(ValueError, match="writable_view takes an array of one shard, got 2"):
+    host_adam.writable_view(sharded)
