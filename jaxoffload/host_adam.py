@@ -38,33 +38,36 @@ def _kernel():
   _require_numba()
 
   @numba.njit(parallel=True, cache=True)
-  def step(param, grad, mu, nu, lr, b1, b2, eps, weight_decay, bias1, bias2):
+  def step(param, out, grad, mu, nu, grad_scale, lr, b1, b2, eps, weight_decay, bias1, bias2):
     # Element by element, as optax.adamw: moments, bias correction, decoupled
     # weight decay, learning rate. Scalars are float32, so is the arithmetic.
     one = np.float32(1.0)
     for i in numba.prange(param.size):
-      g = grad[i]
+      g = grad[i] * grad_scale
       m = b1 * mu[i] + (one - b1) * g
       v = b2 * nu[i] + (one - b2) * (g * g)
       mu[i] = m
       nu[i] = v
       update = (m / bias1) / (np.float32(math.sqrt(v / bias2)) + eps) + weight_decay * param[i]
-      param[i] = param[i] - lr * update
+      out[i] = param[i] - lr * update
 
   return step
 
 
 def adamw_update(param: np.ndarray, grad: np.ndarray, mu: np.ndarray, nu: np.ndarray, *,
                  learning_rate: float, count: int, b1: float = 0.9, b2: float = 0.999,
-                 eps: float = 1e-8, weight_decay: float = 1e-4) -> None:
+                 eps: float = 1e-8, weight_decay: float = 1e-4, grad_scale: float = 1.0,
+                 out: np.ndarray | None = None) -> None:
   """One AdamW step on float32 arrays, in place, on every core numba may use.
 
   Args:
-    param, grad, mu, nu: float32 arrays of one shape, C-contiguous; ``param``,
-      ``mu`` and ``nu`` are overwritten.
+    param, grad, mu, nu: float32 arrays of one shape, C-contiguous; ``mu`` and
+      ``nu`` are overwritten, and ``param`` unless ``out`` is given.
     learning_rate: this step's learning rate.
     count: the step number, from 1, for the bias corrections.
     b1, b2, eps, weight_decay: as ``optax.adamw``.
+    grad_scale: multiplies the gradient first (global-norm clipping's factor).
+    out: where the new parameters go; None: into ``param``.
 
   Raises:
     ValueError: naming the array that is not float32, not contiguous or of
@@ -73,7 +76,8 @@ def adamw_update(param: np.ndarray, grad: np.ndarray, mu: np.ndarray, nu: np.nda
   Example:
     >>> adamw_update(w, g, m, v, learning_rate=3e-4, count=1)
   """
-  for name, array in (("param", param), ("grad", grad), ("mu", mu), ("nu", nu)):
+  out = param if out is None else out
+  for name, array in (("param", param), ("grad", grad), ("mu", mu), ("nu", nu), ("out", out)):
     if array.dtype != np.float32:
       raise ValueError(f"{name} must be float32, got {array.dtype}")
     if not array.flags.c_contiguous:
@@ -83,8 +87,8 @@ def adamw_update(param: np.ndarray, grad: np.ndarray, mu: np.ndarray, nu: np.nda
   if count < 1:
     raise ValueError(f"count must be at least 1 (the first step is 1), got {count}")
   f32 = np.float32
-  _kernel()(param.reshape(-1), grad.reshape(-1), mu.reshape(-1), nu.reshape(-1),
-            f32(learning_rate), f32(b1), f32(b2), f32(eps), f32(weight_decay),
+  _kernel()(param.reshape(-1), out.reshape(-1), grad.reshape(-1), mu.reshape(-1), nu.reshape(-1),
+            f32(grad_scale), f32(learning_rate), f32(b1), f32(b2), f32(eps), f32(weight_decay),
             f32(1 - b1**count), f32(1 - b2**count))
 
 

@@ -1,0 +1,134 @@
+"""Weights and Adam moments on the host, updated by the host's cores between device steps.
+
+ZeRO-Offload's arrangement, for the leaves you choose: their float32 weights
+live in ``pinned_host`` memory (your device step reads them from there), their
+Adam moments in host memory that only the host touches, and ``HostAdamW``
+applies each step's gradients with the multi-threaded ``host_adam`` kernel,
+writing the weights the next device step reads. The device never holds their
+optimizer state; only the gradients come down and the weights go up.
+
+With ``delayed=True`` (ZeRO-Offload's one-step delayed parameter update) the
+host applies step t's gradients while the device computes step t + 1, so
+host work hides under device work: step t + 1's gradients are then taken at
+weights that lack step t's update (the other leaves, if any, are not
+delayed). The weights alternate between two buffers, one read by the device
+while the host writes the other.
+
+The update writes into JAX arrays behind JAX's back (``host_adam.writable_view``):
+keep to the loop in the example, and never pass ``HostAdamW.params`` to
+``np.asarray``; read them through a computation or ``HostAdamW.snapshot``.
+
+Example:
+  >>> host = HostAdamW(offloaded_weights, learning_rate=schedule, weight_decay=0.1)
+  >>> for tokens in batches:
+  ...   device_weights, opt_state, grads, loss = step(device_weights, host.params, opt_state, tokens)
+  ...   host.update(grads)
+  >>> host.finish()
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxoffload import host_adam
+
+Schedule = Union[float, Callable[[int], float]]
+
+
+def _shard_views(array: jax.Array) -> list[np.ndarray]:
+  """Writable views of the array's addressable shards, in a fixed (device) order."""
+  shards = sorted(array.addressable_shards, key=lambda s: s.device.id)
+  return [host_adam.writable_view(shard.data) for shard in shards]
+
+
+class HostAdamW:
+  """AdamW for weights kept in host memory, applied by the host's cores between device steps.
+
+  Args:
+    params: the offloaded weights, float32 arrays in ``pinned_host`` memory
+      (any sharding; each process updates its own shards).
+    learning_rate: a float, or ``schedule(count) -> float`` with optax's
+      convention (count 0 for the first update).
+    b1, b2, eps, weight_decay: as ``optax.adamw``.
+    delayed: apply each call's gradients one call later, so that the host's
+      work overlaps the next device step (see the module's docstring).
+
+  Raises:
+    ValueError: naming the leaf that is not float32 or not in host memory.
+  """
+
+  def __init__(self, params: Sequence[jax.Array], *, learning_rate: Schedule,
+               b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-4,
+               delayed: bool = False):
+    for i, p in enumerate(params):
+      if p.dtype != jnp.float32:
+        raise ValueError(f"HostAdamW keeps float32 weights; leaf {i} is {p.dtype}")
+      if p.sharding.memory_kind != "pinned_host" and jax.default_backend() != "cpu":
+        raise ValueError(f"leaf {i} must be in pinned_host memory, not {p.sharding.memory_kind}")
+    self._schedule = learning_rate if callable(learning_rate) else (lambda _: learning_rate)
+    self._hyper = dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+    self.delayed = delayed
+    jax.block_until_ready(params)
+    self._buffers = [list(params)]
+    if delayed:
+      copy = lambda p: jax.jit(jnp.copy, out_shardings=p.sharding)(p)
+      self._buffers.append(jax.block_until_ready([copy(p) for p in params]))
+    self._views = [[_shard_views(p) for p in buffer] for buffer in self._buffers]
+    self._mu = [[np.zeros_like(v) for v in views] for views in self._views[0]]
+    self._nu = [[np.zeros_like(v) for v in views] for views in self._views[0]]
+    self._current = 0
+    self._held: Optional[tuple[Sequence[jax.Array], jax.Array]] = None
+    self.count = 0  # Updates applied.
+
+  @property
+  def params(self) -> list[jax.Array]:
+    """The weights the next device step must read."""
+    return self._buffers[self._current]
+
+  def update(self, grads: Sequence[jax.Array], grad_scale: Union[float, jax.Array] = 1.0
+             ) -> None:
+    """Applies ``grads`` (one per leaf, in host memory), or with ``delayed`` the previous call's.
+
+    Call it right after dispatching the device step that produced ``grads``:
+    it waits for what it applies. ``grad_scale`` multiplies the gradients
+    first (global-norm clipping's factor, computed on the device).
+    """
+    if not self.delayed:
+      self._apply(grads, grad_scale, into=self._current)
+      return
+    held, self._held = self._held, (grads, grad_scale)
+    if held is not None:
+      # The other buffer was last read by the step before the one just
+      # dispatched, which finished before its gradients (waited for in _apply).
+      self._apply(*held, into=1 - self._current)
+      self._current = 1 - self._current
+
+  def finish(self) -> None:
+    """Applies the held gradients, if any, so that ``params`` has every update."""
+    if self._held is not None:
+      held, self._held = self._held, None
+      self._apply(*held, into=1 - self._current)
+      self._current = 1 - self._current
+
+  def snapshot(self) -> list[np.ndarray]:
+    """Copies of the current weights as numpy arrays (for checks and checkpoints)."""
+    # Through a computation: converting the live arrays would make JAX keep
+    # that conversion and show it again after the next in-place update.
+    return [np.asarray(jax.jit(jnp.copy)(p)) for p in self.params]
+
+  def _apply(self, grads: Sequence[jax.Array], grad_scale, into: int) -> None:
+    jax.block_until_ready((grads, grad_scale))
+    scale = float(np.asarray(grad_scale))
+    self.count += 1
+    learning_rate = float(self._schedule(self.count - 1))
+    current, target = self._views[self._current], self._views[into]
+    for leaf, grad in enumerate(grads):
+      for shard, grad_view in enumerate(_shard_views(grad)):
+        host_adam.adamw_update(current[leaf][shard], grad_view, self._mu[leaf][shard],
+                               self._nu[leaf][shard], learning_rate=learning_rate,
+                               count=self.count, grad_scale=scale, out=target[leaf][shard],
+                               **self._hyper)

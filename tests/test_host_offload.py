@@ -1,0 +1,94 @@
+"""HostAdamW: exact host updates equal optax's; delayed ones equal the one-step-stale reference."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxoffload._compat import to_device, to_host
+from jaxoffload.host_offload import HostAdamW
+from tests.helpers import max_rel_diff
+
+HYPER = dict(b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
+CLIP = 1.0
+STEPS = 6
+schedule = optax.linear_schedule(3e-2, 3e-3, STEPS)
+
+
+def loss_fn(weights, batch):
+  x, y = batch
+  hidden = jnp.tanh(x @ weights[0])
+  return jnp.mean((hidden @ weights[1] - y) ** 2)
+
+
+def problem():
+  keys = jax.random.split(jax.random.PRNGKey(0), 4)
+  weights = [jax.random.normal(keys[0], (8, 16)), jax.random.normal(keys[1], (16, 4))]
+  batches = [(jax.random.normal(jax.random.fold_in(keys[2], t), (32, 8)),
+              jax.random.normal(jax.random.fold_in(keys[3], t), (32, 4))) for t in range(STEPS)]
+  return weights, batches
+
+
+@jax.jit
+def device_step(host_weights, batch):
+  """Gradients of host-resident weights, back in host memory, and the clipping factor."""
+  grads = jax.grad(loss_fn)([to_device(w) for w in host_weights], batch)
+  norm = optax.tree.norm(grads)
+  scale = jnp.where(norm < CLIP, 1.0, CLIP / norm)
+  return [to_host(g) for g in grads], scale
+
+
+def optax_reference(weights, batches, *, delay):
+  """optax's clipped AdamW; gradients taken ``delay`` updates late."""
+  opt = optax.chain(optax.clip_by_global_norm(CLIP), optax.adamw(schedule, **HYPER))
+  state, history = opt.init(weights), [weights]
+  for t, batch in enumerate(batches):
+    grads = jax.grad(loss_fn)(history[max(len(history) - 1 - delay, 0)], batch)
+    updates, state = opt.update(grads, state, history[-1])
+    history.append(optax.apply_updates(history[-1], updates))
+  return history[-1]
+
+
+def host_run(weights, batches, *, delayed, shardings=None):
+  one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  shardings = shardings or [one_device] * len(weights)
+  host = HostAdamW([jax.device_put(np.array(w), s.with_memory_kind("pinned_host"))
+                    for w, s in zip(weights, shardings)],
+                   learning_rate=schedule, delayed=delayed, **HYPER)
+  for batch in batches:
+    grads, scale = device_step(host.params, batch)
+    host.update(grads, scale)
+  host.finish()
+  assert host.count == len(batches)
+  assert {w.sharding.memory_kind for w in host.params} == {"pinned_host"}
+  return host.snapshot()
+
+
+@pytest.mark.parametrize("delayed", [False, True], ids=["exact", "delayed"])
+def test_host_updates_equal_optax(delayed):
+  weights, batches = problem()
+  want = optax_reference(weights, batches, delay=1 if delayed else 0)
+  got = host_run(weights, batches, delayed=delayed)
+  assert max_rel_diff(got, want) <= 1e-6
+
+
+@pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (the CPU backend has 8 in CI)")
+def test_sharded_and_replicated_weights_update_shard_by_shard():
+  weights, batches = problem()
+  mesh = jax.make_mesh((4,), ("x",), devices=jax.devices()[:4])
+  shardings = [jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x", None)),
+               jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())]
+  got = host_run(weights, batches, delayed=True, shardings=shardings)
+  assert max_rel_diff(got, optax_reference(weights, batches, delay=1)) <= 1e-6
+
+
+def test_delayed_updates_differ_from_exact_ones():
+  weights, batches = problem()
+  exact, delayed = (host_run(weights, batches, delayed=d) for d in (False, True))
+  assert max(np.max(np.abs(e - d)) for e, d in zip(exact, delayed)) > 1e-3
+
+
+def test_non_float32_weights_are_refused():
+  with pytest.raises(ValueError, match="HostAdamW keeps float32 weights; leaf 0 is bfloat16"):
+    HostAdamW([jnp.zeros(4, jnp.bfloat16)], learning_rate=1e-3)
