@@ -1,6 +1,7 @@
 """jaxoffload: train JAX models larger than device memory by keeping training state in host memory."""
 
 from jaxoffload.adam import ScaleByOffloadedAdamState, offload_adamw, scale_by_offloaded_adam
+from jaxoffload.host_offload import HostAdamW
 from jaxoffload.memory import bytes_by_memory_kind, peak_device_bytes
 from jaxoffload.placement import OffloadPlan, find_offload_plan, plan_offload
 from jaxoffload.remat import (ACTIVATION_NAMES, OFFLOAD_PRESETS, LayerGroup, Placement,
@@ -8,6 +9,7 @@ from jaxoffload.remat import (ACTIVATION_NAMES, OFFLOAD_PRESETS, LayerGroup, Pla
 
 __all__ = [
     "ACTIVATION_NAMES",
+    "HostAdamW",
     "LayerGroup",
     "OFFLOAD_PRESETS",
     "OffloadPlan",

@@ -3,8 +3,9 @@
   python -m jaxoffload.bench --config configs/llama_1b.yaml --steps 10 --out bench/llama_1b
 
 Runs the trainer once per setting (baseline; optimizer offload at fractions
-0.25, 0.5 and 1.0 with each update placement; activation offload of half and
-of all but one layer; both offloads together), each in a fresh process so that
+0.25, 0.5 and 1.0 with each update placement, and the host kernel's delayed
+update at 1.0; activation offload of half and of all but one layer; both
+offloads together), each in a fresh process so that
 no setting's memory shows in another's, on the same data and seed. Reports per
 setting the median and spread of step time, tokens/s, MFU, peak device memory
 (measured, and XLA's compiled estimate), pinned host memory, the step-time and
@@ -33,7 +34,7 @@ from jaxoffload.train import llama_config, run
 
 GIB = 2**30
 FRACTIONS = (0.25, 0.5, 1.0)
-PLACES = ("device", "host")
+PLACES = ("device", "host", "host_kernel")
 
 
 def default_settings(num_layers: int) -> dict[str, list[str]]:
@@ -49,6 +50,10 @@ def default_settings(num_layers: int) -> dict[str, list[str]]:
     settings[f"activations {n} layers"] = activations(n)
   settings[f"optimizer 0.5 device + activations {num_layers - 1} layers"] = (
       optimizer(0.5, "device") + activations(num_layers - 1))
+  for f in FRACTIONS:
+    settings[f"optimizer {f} host_kernel"] = optimizer(f, "host_kernel")
+  settings["optimizer 1.0 host_kernel delayed"] = (optimizer(1.0, "host_kernel")
+                                                   + ["optimizer.delayed_update=True"])
   # The slowest last, so that a run cut short has the rest.
   for f in FRACTIONS:
     settings[f"optimizer {f} host"] = optimizer(f, "host")
@@ -144,7 +149,8 @@ def plot(out: str, results: list[dict]) -> list[str]:
     points = [(0.0, results[0])] + [
         (float(_override(r, "optimizer.optimizer_offload_fraction")), r) for r in results
         if _override(r, "optimizer.optimizer_offload_update_on") == place
-        and _override(r, "model.cpu_offloading") is None]
+        and _override(r, "model.cpu_offloading") is None
+        and _override(r, "optimizer.delayed_update") is None]
     xs = [f for f, _ in points]
     memory.plot(xs, [r["device_bytes"] / GIB for _, r in points], "o-", label=f"update on {place}")
     ratio.plot(xs, [r["step_ratio"] for _, r in points], "o-", label=f"update on {place}")

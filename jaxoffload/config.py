@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import os
 import typing
 from typing import Any, Optional, Sequence
@@ -73,7 +74,13 @@ class OptimizerConfig:
   optimizer_cpu_offload: bool = False
   optimizer_offload_fraction: float = 0.0
   overlap_cpu_optimizer_d2h_h2d: bool = False
-  optimizer_offload_update_on: str = "device"  # Where offloaded moments update: host or device.
+  # Where offloaded state updates: device (streamed through it), host (XLA's
+  # host computation), or host_kernel (weights and moments on the host, updated
+  # by jaxoffload.host_adam's multi-threaded kernel between device steps).
+  optimizer_offload_update_on: str = "device"
+  # With host_kernel: apply step t's update while the device computes step t+1
+  # (ZeRO-Offload's one-step delayed parameter update).
+  delayed_update: bool = False
   use_torch_optimizer_for_cpu_offload: bool = False  # True is refused: there is no torch here.
   # State sharded over the devices that hold the parameters: what mesh.fsdp
   # does already; refused with mesh.data > 1, naming mesh.fsdp.
@@ -234,7 +241,20 @@ def validate(config: Config) -> tuple[remat.LayerGroup, ...]:
                 ATTENTION_IMPLEMENTATIONS)
   _check_one_of("optimizer.lr_decay_style", o.lr_decay_style, LR_DECAY_STYLES)
   _check_one_of("optimizer.optimizer_offload_update_on", o.optimizer_offload_update_on,
-                UPDATE_PLACES)
+                UPDATE_PLACES + ("host_kernel",))
+  if o.delayed_update and o.optimizer_offload_update_on != "host_kernel":
+    raise ConfigError("optimizer.delayed_update=True needs optimizer.optimizer_offload_update_on="
+                      f"host_kernel, got {o.optimizer_offload_update_on!r}")
+  if o.optimizer_cpu_offload and o.optimizer_offload_update_on == "host_kernel":
+    if m.params_dtype != "float32":
+      raise ConfigError("optimizer_offload_update_on=host_kernel keeps float32 weights on the "
+                        f"host; model.params_dtype must be float32, got {m.params_dtype!r}")
+    if config.checkpoint.dir is not None:
+      raise ConfigError("checkpoint.dir with optimizer_offload_update_on=host_kernel is not "
+                        "implemented yet; use device or host, or no checkpoints")
+    if importlib.util.find_spec("numba") is None:
+      raise ConfigError("optimizer_offload_update_on=host_kernel needs numba: "
+                        "pip install 'jaxoffload[host]'")
   if m.cpu_offloading and m.pipeline_model_parallel_size > 1:
     raise ConfigError("Currently there is no support for Pipeline parallelism with CPU offloading")
   if m.pipeline_model_parallel_size != 1:
@@ -249,8 +269,9 @@ def validate(config: Config) -> tuple[remat.LayerGroup, ...]:
                       "docs/benchmarks/activation_offload.md: no faster)")
   if o.use_torch_optimizer_for_cpu_offload:
     raise ConfigError("optimizer.use_torch_optimizer_for_cpu_offload=True: jaxoffload has no "
-                      "torch optimizer; offloaded moments update in XLA, chosen by "
-                      "optimizer.optimizer_offload_update_on (device or host)")
+                      "torch optimizer; offloaded state updates in XLA or with its own "
+                      "multi-threaded host kernel, chosen by "
+                      "optimizer.optimizer_offload_update_on (device, host or host_kernel)")
   if o.use_distributed_optimizer and config.mesh.data > 1:
     raise ConfigError(f"optimizer.use_distributed_optimizer=True with mesh.data="
                       f"{config.mesh.data}: shard the optimizer state with mesh.fsdp="

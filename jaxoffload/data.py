@@ -4,7 +4,7 @@ Every batch is a pure function of the seed and the step number, so a resumed
 run sees exactly the tokens an uninterrupted one would have seen.
 
 The text path needs no download: its default corpus is the jaxoffload
-package's own source (prose docstrings and code, about 100 KB), read from the
+package's own source (prose docstrings and code, over 100 KB), read from the
 installed package; ``data.text_file`` names any text file instead. The
 tokenizer maps each UTF-8 byte to its value (ids 0-255), so it needs no
 vocabulary file and round-trips any text.

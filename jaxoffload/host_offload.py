@@ -84,6 +84,17 @@ class HostAdamW:
     self._held: Optional[tuple[Sequence[jax.Array], jax.Array]] = None
     self.count = 0  # Updates applied.
 
+  def __str__(self) -> str:
+    elements = sum(p.size for p in self.params)
+    return (f"host kernel: {len(self.params)} leaves ({elements:,} parameter elements) with their "
+            f"weights and Adam moments in host memory, {host_adam.max_threads()} threads, "
+            + ("updates one step delayed" if self.delayed else "exact updates"))
+
+  @property
+  def moment_bytes(self) -> int:
+    """Host memory of the Adam moments (not pinned: only the host reads them)."""
+    return sum(m.nbytes for moments in (self._mu, self._nu) for leaf in moments for m in leaf)
+
   @property
   def params(self) -> list[jax.Array]:
     """The weights the next device step must read."""

@@ -206,10 +206,18 @@ def offloaded_activation_bytes(config: LlamaConfig, groups: Sequence[LayerGroup]
              for name, placement in g.placements.items() if placement == "offload")
 
 
+def _boxed_shapes(model: Llama, tokens: jax.Array) -> Any:
+  return jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), tokens)["params"])
+
+
 def logical_param_specs(model: Llama, tokens: jax.Array) -> Any:
   """The parameters' logical ``PartitionSpec``s, found without allocating them."""
-  boxed = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), tokens)["params"])
-  return nn.get_partition_spec(boxed)
+  return nn.get_partition_spec(_boxed_shapes(model, tokens))
+
+
+def abstract_params(model: Llama, tokens: jax.Array) -> Any:
+  """The parameters' shapes and dtypes (``jax.ShapeDtypeStruct``s), found without allocating them."""
+  return nn.meta.unbox(_boxed_shapes(model, tokens))
 
 
 def init_params(model: Llama, key: jax.Array, tokens: jax.Array, shardings: Any = None,

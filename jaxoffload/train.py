@@ -25,6 +25,8 @@ import math
 import os
 import sys
 import time
+from typing import Any, NamedTuple, Optional
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,8 +37,10 @@ import jaxoffload
 from jaxoffload import data, monitor, remat, sharding
 from jaxoffload._compat import DEVICE_KIND, to_device, to_host
 from jaxoffload.config import Config, ConfigError, load_config, validate
-from jaxoffload.model import (Llama, LlamaConfig, group_name, init_params, logical_param_specs,
-                              next_token_loss)
+from jaxoffload.host_offload import HostAdamW
+from jaxoffload.model import (Llama, LlamaConfig, abstract_params, group_name, init_params,
+                              logical_param_specs, next_token_loss)
+from jaxoffload.placement import leaf_path, plan_offload
 
 
 def llama_config(config: Config) -> LlamaConfig:
@@ -51,22 +55,31 @@ def llama_config(config: Config) -> LlamaConfig:
                      attention_implementation=m.attention_implementation)
 
 
-def optimizer(config: Config) -> optax.GradientTransformation:
-  """Clipped AdamW on the configured schedule; offloaded when ``optimizer_cpu_offload``."""
+def learning_rate(config: Config) -> optax.Schedule:
+  """Linear warm-up to ``optimizer.lr``, then the configured decay to ``min_lr``."""
   o, iters = config.optimizer, config.train.train_iters
   warmup = min(o.lr_warmup_iters, iters)
   decay = {"constant": optax.constant_schedule(o.lr),
            "linear": optax.linear_schedule(o.lr, o.min_lr, max(iters - warmup, 1)),
            "cosine": optax.cosine_decay_schedule(o.lr, max(iters - warmup, 1), o.min_lr / o.lr)}
-  schedule = optax.join_schedules([optax.linear_schedule(0.0, o.lr, warmup),
-                                   decay[o.lr_decay_style]], [warmup])
-  adamw_args = dict(b1=o.adam_beta1, b2=o.adam_beta2, eps=o.adam_eps, weight_decay=o.weight_decay)
+  return optax.join_schedules([optax.linear_schedule(0.0, o.lr, warmup),
+                               decay[o.lr_decay_style]], [warmup])
+
+
+def adamw_args(config: Config) -> dict:
+  o = config.optimizer
+  return dict(b1=o.adam_beta1, b2=o.adam_beta2, eps=o.adam_eps, weight_decay=o.weight_decay)
+
+
+def optimizer(config: Config) -> optax.GradientTransformation:
+  """Clipped AdamW on the configured schedule; offloaded when ``optimizer_cpu_offload``."""
+  o = config.optimizer
   if o.optimizer_cpu_offload:
-    adamw = jaxoffload.offload_adamw(schedule, **adamw_args,
+    adamw = jaxoffload.offload_adamw(learning_rate(config), **adamw_args(config),
                                      offload_fraction=o.optimizer_offload_fraction,
                                      update_on=o.optimizer_offload_update_on)
   else:
-    adamw = optax.adamw(schedule, **adamw_args)
+    adamw = optax.adamw(learning_rate(config), **adamw_args(config))
   return optax.chain(optax.clip_by_global_norm(o.clip_grad), adamw)
 
 
@@ -89,8 +102,25 @@ def global_batch(config: Config, step: int, batch_sharding: jax.sharding.Shardin
   return jax.make_array_from_callback(tokens.shape, batch_sharding, lambda index: tokens[index])
 
 
-def build(config: Config):
-  """Placed parameters, optimizer state, the jitted train step and the batch sharding."""
+class Built(NamedTuple):
+  """What ``build`` makes. With the host kernel (``optimizer_offload_update_on=host_kernel``)
+  ``params`` are the device-resident leaves, in tree order, and ``host`` holds the others."""
+
+  params: Any
+  state: Any
+  step: Any  # The jitted train step.
+  batch_sharding: jax.sharding.Sharding
+  host: Optional[HostAdamW] = None
+
+
+def build(config: Config) -> Built:
+  """Placed parameters, optimizer state, the jitted train step and the batch sharding.
+
+  The step is ``step(params, state, tokens) -> (params, state, loss)``; with the
+  host kernel it is ``step(params, host.params, state, tokens) -> (params,
+  state, loss, host_grads, clip_scale)`` and ``host.update(host_grads,
+  clip_scale)`` follows it.
+  """
   groups = validate(config)
   model_config = llama_config(config)
   mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
@@ -104,38 +134,60 @@ def build(config: Config):
   host_groups = [group_name(group) for group in groups if group.offload_weights]
   for name in host_groups:
     shardings[name] = sharding.in_pinned_host(shardings[name])
+  o = config.optimizer
+  host_kernel = o.optimizer_cpu_offload and o.optimizer_offload_update_on == "host_kernel"
+  if host_kernel:
+    # ZeRO-Offload's split: the chosen leaves' weights live in pinned_host too.
+    offloaded = plan_offload(abstract_params(model, tokens),
+                             offload_fraction=o.optimizer_offload_fraction).mask
+    shardings = jax.tree.map(lambda s, off: sharding.in_pinned_host(s) if off else s,
+                             shardings, offloaded)
   # Initialised as one stack and cut at the groups: every offload setting starts
   # from the same weights, so their losses can be compared step by step.
   one_stack = Llama(model_config, remat.layer_groups(model_config.num_layers))
   params = init_params(one_stack, jax.random.PRNGKey(config.train.seed), tokens, shardings,
                        groups=groups)
-  opt = optimizer(config)
-  # Initialised from the parameters' shapes and device shardings: host-resident
-  # weights must not be read, and their optimizer state starts where the plan says.
-  on_device = lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype,
-                                             sharding=p.sharding.with_memory_kind(DEVICE_KIND))
-  state = opt.init(jax.tree.map(on_device, params))
   micro_batches = config.train.global_batch_size // config.train.micro_batch_size
 
   def loss_fn(params, tokens):
     return next_token_loss(model.apply({"params": params}, tokens), tokens)
 
-  def train_step(params, state, tokens):
+  def loss_and_grads(params, tokens):
     # Gradients of weights kept in host memory arrive there; they join the rest
     # on the device for accumulation, clipping and the update.
     grad_fn = lambda p, t: jax.tree.map(to_device, jax.value_and_grad(loss_fn)(p, t))
     if micro_batches == 1:
-      loss, grads = grad_fn(params, tokens)
-    else:
-      split = tokens.reshape(micro_batches, -1, tokens.shape[-1])
+      return grad_fn(params, tokens)
+    split = tokens.reshape(micro_batches, -1, tokens.shape[-1])
 
-      def accumulate(total, micro):
-        loss, grads = grad_fn(params, micro)
-        return jax.tree.map(jnp.add, total, (loss, grads)), None
+    def accumulate(total, micro):
+      return jax.tree.map(jnp.add, total, grad_fn(params, micro)), None
 
-      zeros = (jnp.zeros(()), jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), params))
-      (loss, grads), _ = jax.lax.scan(accumulate, zeros, split)
-      loss, grads = jax.tree.map(lambda x: x / micro_batches, (loss, grads))
+    zeros = (jnp.zeros(()), jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), params))
+    (loss, grads), _ = jax.lax.scan(accumulate, zeros, split)
+    return jax.tree.map(lambda x: x / micro_batches, (loss, grads))
+
+  def placed(state):
+    # Scalars optax made uncommitted are replicated over the mesh, so that step 1
+    # sees the placements every later step sees and the step compiles once.
+    state_shardings = jax.tree.map(
+        lambda x: x.sharding if isinstance(x.sharding, jax.sharding.NamedSharding)
+        else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()), state)
+    return jax.device_put(state, state_shardings), state_shardings
+
+  batch_sharding = sharding.batch_sharding(mesh)
+  if host_kernel:
+    return _host_kernel_build(config, params, shardings, offloaded, host_groups, loss_and_grads,
+                              placed, batch_sharding)
+  opt = optimizer(config)
+  # Initialised from the parameters' shapes and device shardings: host-resident
+  # weights must not be read, and their optimizer state starts where the plan says.
+  on_device = lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype,
+                                             sharding=p.sharding.with_memory_kind(DEVICE_KIND))
+  state, state_shardings = placed(opt.init(jax.tree.map(on_device, params)))
+
+  def train_step(params, state, tokens):
+    loss, grads = loss_and_grads(params, tokens)
     device_params = jax.tree.map(to_device, params)
     updates, state = opt.update(grads, state, device_params)
     new_params = optax.apply_updates(device_params, updates)
@@ -143,15 +195,56 @@ def build(config: Config):
       new_params[name] = to_host(new_params[name])
     return new_params, state, loss
 
-  # Scalars optax made uncommitted are replicated over the mesh, so that step 1
-  # sees the placements every later step sees and the step compiles once.
-  state_shardings = jax.tree.map(
-      lambda x: x.sharding if isinstance(x.sharding, jax.sharding.NamedSharding)
-      else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()), state)
-  state = jax.device_put(state, state_shardings)
   step = jax.jit(train_step, donate_argnums=(0, 1),
                  out_shardings=(shardings, state_shardings, None))
-  return params, state, step, sharding.batch_sharding(mesh)
+  return Built(params, state, step, batch_sharding)
+
+
+def _host_kernel_build(config, params, shardings, offloaded, host_groups, loss_and_grads, placed,
+                       batch_sharding) -> Built:
+  """``build`` for ``optimizer_offload_update_on=host_kernel``: the device updates the device
+  leaves in the step; ``HostAdamW`` updates the offloaded ones between steps."""
+  o = config.optimizer
+  leaves, treedef = jax.tree.flatten(params)
+  is_host = jax.tree.leaves(offloaded)
+  in_host_group = jax.tree.leaves(jax.tree_util.tree_map_with_path(
+      lambda path, _: leaf_path(path).split("/")[0] in host_groups, params))
+  split = lambda xs, host: [x for x, h in zip(xs, is_host) if h == host]
+  leaf_shardings = jax.tree.leaves(shardings)
+  device_leaves, device_shardings = split(leaves, False), split(leaf_shardings, False)
+  host = HostAdamW(split(leaves, True), learning_rate=learning_rate(config),
+                   delayed=o.delayed_update, **adamw_args(config))
+  opt = optax.adamw(learning_rate(config), **adamw_args(config))
+  on_device = lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype,
+                                             sharding=p.sharding.with_memory_kind(DEVICE_KIND))
+  state, state_shardings = placed(opt.init([on_device(p) for p in device_leaves]))
+
+  def train_step(device_leaves, host_leaves, state, tokens):
+    # Host weights of weight-offloaded layer groups come to the device layer by
+    # layer inside the model; the others come at the start of the step.
+    hosts = iter([p if g else to_device(p) for p, g in zip(host_leaves, split(in_host_group, True))])
+    devices = iter(device_leaves)
+    tree = treedef.unflatten([next(hosts) if h else next(devices) for h in is_host])
+    loss, grads = loss_and_grads(tree, tokens)
+    grads = jax.tree.leaves(grads)
+    # optax.clip_by_global_norm over every leaf, wherever it updates.
+    norm = optax.tree.norm(grads)
+    clip = norm >= o.clip_grad
+    device_grads = [jnp.where(clip, (g / norm.astype(g.dtype)) * o.clip_grad, g)
+                    for g in split(grads, False)]
+    params = [to_device(p) for p in device_leaves]
+    updates, state = opt.update(device_grads, state, params)
+    new_leaves = optax.apply_updates(params, updates)
+    new_leaves = [to_host(p) if g else p
+                  for p, g in zip(new_leaves, split(in_host_group, False))]
+    clip_scale = jnp.where(clip, o.clip_grad / norm, 1.0)
+    return new_leaves, state, loss, [to_host(g) for g in split(grads, True)], clip_scale
+
+  host_grad_shardings = [s.with_memory_kind("pinned_host") for s in split(leaf_shardings, True)]
+  step = jax.jit(train_step, donate_argnums=(0, 2),
+                 out_shardings=(device_shardings, state_shardings, None, host_grad_shardings,
+                                None))
+  return Built(device_leaves, state, step, batch_sharding, host)
 
 
 def restore(checkpoints: ocp.CheckpointManager, step: int, params, state):
@@ -183,7 +276,7 @@ class Run:
   # and temporaries (aliased donations counted once), and host temporaries.
   compiled_device_bytes: int
   compiled_host_temp_bytes: int
-  offloaded_state_bytes: int  # Parameters and optimizer state in pinned_host.
+  offloaded_state_bytes: int  # Parameters and optimizer state in host memory.
 
   @property
   def losses(self) -> list[float]:
@@ -221,7 +314,7 @@ def run(config: Config, *, log=print, stop_after_step: int | None = None) -> Run
       and COMMAND_BUFFER_FLAG not in os.environ.get("XLA_FLAGS", "")):
     log(f"warning: model.cuda_graph_impl={config.model.cuda_graph_impl!r} needs XLA_FLAGS="
         f"{COMMAND_BUFFER_FLAG} before JAX starts; python -m jaxoffload.train sets it")
-  params, state, step, batch_sharding = build(config)
+  params, state, step, batch_sharding, host = build(config)
   m, t = config.model, config.train
   checkpoints = checkpoint_manager(config)
   first = 0
@@ -232,14 +325,21 @@ def run(config: Config, *, log=print, stop_after_step: int | None = None) -> Run
   log(f"backend {jax.default_backend()} ({jax.device_count()} x {jax.devices()[0].device_kind}); "
       f"{m.num_layers} layers, hidden {m.hidden_size}; "
       f"{t.global_batch_size} x {m.seq_length} tokens a step of {config.data.dataset} data")
-  if config.optimizer.optimizer_cpu_offload:
+  if host is not None:
+    log(str(host))
+  elif config.optimizer.optimizer_cpu_offload:
     log(str(jaxoffload.find_offload_plan(state)))
+  # The host kernel's step also reads the host-resident weights.
+  host_args = () if host is None else (host.params,)
   compile_start = time.perf_counter()
-  compiled = step.lower(params, state, global_batch(config, first, batch_sharding)).compile()
+  compiled = step.lower(params, *host_args, state,
+                        global_batch(config, first, batch_sharding)).compile()
   compile_s = time.perf_counter() - compile_start
   analysis = compiled.memory_analysis()
   host_temp = getattr(analysis, "host_temp_size_in_bytes", 0) or 0
-  offloaded_state = jaxoffload.bytes_by_memory_kind((params, state)).get("pinned_host", 0)
+  pinned = jaxoffload.bytes_by_memory_kind((params, state, host_args)).get("pinned_host", 0)
+  # The host kernel's moments are host memory too, though not pinned.
+  offloaded_state = pinned + (0 if host is None else host.moment_bytes)
   log(f"compiled the step in {compile_s:.1f} s")
   last = t.train_iters if stop_after_step is None else min(stop_after_step, t.train_iters)
   jsonl = open(config.logging.jsonl, "a") if config.logging.jsonl and reporting else None
@@ -247,7 +347,7 @@ def run(config: Config, *, log=print, stop_after_step: int | None = None) -> Run
       total_steps=t.train_iters, tokens_per_step=t.global_batch_size * m.seq_length,
       flops_per_token=monitor.flops_per_token(llama_config(config), m.seq_length),
       peak_flops=(monitor.peak_flops(jax.devices()[0], m.dtype) or 0) * jax.device_count(),
-      pinned_host_bytes=offloaded_state + host_temp,
+      pinned_host_bytes=pinned + host_temp,
       log=log, log_interval=config.logging.log_interval, jsonl=jsonl,
       live=config.logging.progress_bar and log is print and sys.stdout.isatty(),
       peak_device_bytes=jaxoffload.peak_device_bytes)
@@ -255,7 +355,11 @@ def run(config: Config, *, log=print, stop_after_step: int | None = None) -> Run
     for i in range(first, last):
       tokens = global_batch(config, i, batch_sharding)
       start = time.perf_counter()
-      params, state, loss = compiled(params, state, tokens)
+      if host is None:
+        params, state, loss = compiled(params, state, tokens)
+      else:
+        params, state, loss, host_grads, clip_scale = compiled(params, host.params, state, tokens)
+        host.update(host_grads, clip_scale)
       loss = float(loss.addressable_data(0))  # Replicated: every process holds it.
       meter.record(step=i + 1, loss=loss, step_s=time.perf_counter() - start)
       if not math.isfinite(loss):
@@ -270,6 +374,8 @@ def run(config: Config, *, log=print, stop_after_step: int | None = None) -> Run
   finally:
     if jsonl is not None:
       jsonl.close()
+  if host is not None:
+    host.finish()
   if checkpoints is not None:
     checkpoints.wait_until_finished()
   log(meter.summary())

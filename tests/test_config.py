@@ -1,6 +1,7 @@
 """Configuration: YAML and overrides, key and type checks, and the reference system's rules."""
 
 import glob
+import re
 
 import pytest
 
@@ -131,3 +132,18 @@ def test_distributed_optimizer_on_fsdp_alone_is_accepted():
 @pytest.mark.parametrize("path", sorted(glob.glob("configs/*.yaml")))
 def test_every_shipped_config_loads(path):
   assert load_config(path).train.train_iters >= 1
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["optimizer.delayed_update=True"],
+     "optimizer.delayed_update=True needs optimizer.optimizer_offload_update_on=host_kernel, "
+     "got 'device'"),
+    (["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_update_on=host_kernel",
+      "model.params_dtype=bfloat16"], "model.params_dtype must be float32, got 'bfloat16'"),
+    (["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_update_on=host_kernel",
+      "checkpoint.dir=/tmp/x"], "checkpoint.dir with optimizer_offload_update_on=host_kernel is not "
+                                "implemented yet"),
+])
+def test_host_kernel_settings_are_checked(overrides, message):
+  with pytest.raises(ConfigError, match=re.escape(message)):
+    load_config(None, overrides)

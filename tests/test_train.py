@@ -70,8 +70,13 @@ def baseline_losses():
      "model.cpu_offloading_weights=True", "optimizer.optimizer_cpu_offload=True",
      "optimizer.optimizer_offload_fraction=1.0"],
     ["train.micro_batch_size=4"],
+    ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5",
+     "optimizer.optimizer_offload_update_on=host_kernel", "train.micro_batch_size=4"],
+    ["model.cpu_offloading=True", "model.cpu_offloading_num_layers=3",
+     "model.cpu_offloading_weights=True", "optimizer.optimizer_cpu_offload=True",
+     "optimizer.optimizer_offload_fraction=1.0", "optimizer.optimizer_offload_update_on=host_kernel"],
 ], ids=["optimizer-host", "optimizer-device", "activations", "weights-and-optimizer",
-        "accumulation"])
+        "accumulation", "host-kernel", "host-kernel-and-weights"])
 def test_losses_equal_the_baseline(overrides, baseline_losses):
   losses = train(load_config(None, [f"train.train_iters={STEPS}", *overrides]), log=lambda _: None)
   assert baseline_losses[-1] < baseline_losses[0]
@@ -82,7 +87,7 @@ def test_losses_equal_the_baseline(overrides, baseline_losses):
                                             "optimizer.optimizer_offload_fraction=0.5"]])
 def test_train_step_compiles_once(overrides):
   config = load_config(None, overrides)
-  params, state, step, batch_sharding = build(config)
+  params, state, step, batch_sharding, _ = build(config)
   for i in range(3):
     params, state, _ = step(params, state, jax.device_put(batch_at(config, i),
                                                           batch_sharding))
@@ -181,7 +186,7 @@ def test_offloaded_state_is_restored_into_pinned_host(tmp_path):
                               "optimizer.optimizer_offload_fraction=0.5",
                               "model.cpu_offloading=True", "model.cpu_offloading_num_layers=2",
                               "model.cpu_offloading_weights=True", f"checkpoint.dir={tmp_path}"])
-  params, state, _, _ = build(config)
+  params, state, _, _, _ = build(config)
   kinds = lambda tree: [x.sharding.memory_kind for x in jax.tree.leaves(tree)]
   assert "pinned_host" in kinds(params) and "pinned_host" in kinds(state)
   checkpoints = checkpoint_manager(config)
@@ -204,3 +209,14 @@ def test_nan_stop_keeps_the_last_good_checkpoint(tmp_path):
   saved = sorted(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit())
   assert saved and max(saved) == step - 1
   assert f"the newest good checkpoint is step {step - 1}" in str(stop.value)
+
+
+def test_delayed_host_updates_train_one_step_behind(baseline_losses):
+  host_kernel = ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=1.0",
+                 "optimizer.optimizer_offload_update_on=host_kernel", f"train.train_iters={STEPS}"]
+  delayed = train(load_config(None, host_kernel + ["optimizer.delayed_update=True"]),
+                  log=lambda _: None)
+  # The warm-up's first learning rate is 0, so steps 1 and 2 see the initial
+  # weights in both runs; from step 3 the delayed run is one update behind.
+  assert delayed[:2] == baseline_losses[:2] and delayed[2] != baseline_losses[2]
+  assert delayed[-1] < delayed[0] and abs(delayed[-1] - baseline_losses[-1]) < 0.05 * delayed[0]
