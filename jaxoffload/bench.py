@@ -92,17 +92,16 @@ def measure(config_path: Optional[str], overrides: list[str]) -> dict:
 def compare(results: list[dict]) -> None:
   """Adds each setting's ratios and loss difference against the first (the baseline)."""
   base = results[0]
+  base_bytes = base["peak_device_bytes"] or base["compiled_device_bytes"]
   for r in results:
     r["step_ratio"] = r["step_s_median"] / base["step_s_median"]
     r["device_bytes"] = r["peak_device_bytes"] or r["compiled_device_bytes"]
-    r["memory_ratio"] = r["device_bytes"] / (base["peak_device_bytes"]
-                                             or base["compiled_device_bytes"])
+    r["memory_ratio"] = r["device_bytes"] / base_bytes
     # What the arithmetic says leaves the device: offloaded state and activations.
     # Offloaded layers also recompute what they do not offload, so their
     # measured saving can pass the prediction.
     r["predicted_saving_bytes"] = r["offloaded_state_bytes"] + r["offloaded_activation_bytes"]
-    r["measured_saving_bytes"] = (base["peak_device_bytes"] or base["compiled_device_bytes"]
-                                  ) - r["device_bytes"]
+    r["measured_saving_bytes"] = base_bytes - r["device_bytes"]
     r["max_abs_loss_diff"] = max(abs(a - b) for a, b in zip(r["losses"], base["losses"]))
 
 
