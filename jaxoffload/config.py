@@ -249,9 +249,6 @@ def validate(config: Config) -> tuple[remat.LayerGroup, ...]:
     if m.params_dtype != "float32":
       raise ConfigError("optimizer_offload_update_on=host_kernel keeps float32 weights on the "
                         f"host; model.params_dtype must be float32, got {m.params_dtype!r}")
-    if config.checkpoint.dir is not None:
-      raise ConfigError("checkpoint.dir with optimizer_offload_update_on=host_kernel is not "
-                        "implemented yet; use device or host, or no checkpoints")
     if importlib.util.find_spec("numba") is None:
       raise ConfigError("optimizer_offload_update_on=host_kernel needs numba: "
                         "pip install 'jaxoffload[host]'")

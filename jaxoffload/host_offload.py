@@ -39,10 +39,27 @@ from jaxoffload import host_adam
 Schedule = Union[float, Callable[[int], float]]
 
 
+def _sorted_shards(array: jax.Array) -> list:
+  return sorted(array.addressable_shards, key=lambda s: s.device.id)
+
+
 def _shard_views(array: jax.Array) -> list[np.ndarray]:
   """Writable views of the array's addressable shards, in a fixed (device) order."""
-  shards = sorted(array.addressable_shards, key=lambda s: s.device.id)
-  return [host_adam.writable_view(shard.data) for shard in shards]
+  return [host_adam.writable_view(shard.data) for shard in _sorted_shards(array)]
+
+
+def _copy(array: jax.Array) -> jax.Array:
+  """A new array with ``array``'s values and placement, read through a computation."""
+  return jax.jit(jnp.copy, out_shardings=array.sharding)(array)
+
+
+def _gather(shards: Sequence[np.ndarray], like: jax.Array) -> jax.Array:
+  """Per-shard numpy arrays as one JAX array placed like ``like``."""
+  # Copies: device_put may keep using a numpy array's memory, and these change.
+  placed = [jax.device_put(values.copy(), jax.sharding.SingleDeviceSharding(
+      shard.device, memory_kind=like.sharding.memory_kind))
+            for values, shard in zip(shards, _sorted_shards(like))]
+  return jax.make_array_from_single_device_arrays(like.shape, like.sharding, placed)
 
 
 class HostAdamW:
@@ -75,8 +92,7 @@ class HostAdamW:
     jax.block_until_ready(params)
     self._buffers = [list(params)]
     if delayed:
-      copy = lambda p: jax.jit(jnp.copy, out_shardings=p.sharding)(p)
-      self._buffers.append(jax.block_until_ready([copy(p) for p in params]))
+      self._buffers.append(jax.block_until_ready([_copy(p) for p in params]))
     self._views = [[_shard_views(p) for p in buffer] for buffer in self._buffers]
     self._mu = [[np.zeros_like(v) for v in views] for views in self._views[0]]
     self._nu = [[np.zeros_like(v) for v in views] for views in self._views[0]]
@@ -125,11 +141,51 @@ class HostAdamW:
       self._apply(*held, into=1 - self._current)
       self._current = 1 - self._current
 
+  def checkpoint(self) -> dict:
+    """The host state as new JAX arrays in host memory, for orbax to save.
+
+    Weights and moments keep the weights' shardings; with ``delayed`` the
+    gradients still waiting to be applied are part of the state (call it after
+    ``update``, before ``finish``), so that a resumed run continues exactly.
+    """
+    state = {"count": np.array(self.count, np.int64),
+             "params": [_copy(p) for p in self.params],
+             "mu": [_gather(shards, p) for shards, p in zip(self._mu, self.params)],
+             "nu": [_gather(shards, p) for shards, p in zip(self._nu, self.params)]}
+    if self._held is not None:
+      state["held_grads"], state["held_scale"] = list(self._held[0]), jnp.asarray(self._held[1])
+    return state
+
+  def checkpoint_target(self) -> dict:
+    """What ``checkpoint`` returns, as shapes and placements: orbax's restore target."""
+    like = lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=p.sharding)
+    state = {"count": np.array(0, np.int64), "params": [like(p) for p in self.params],
+             "mu": [like(p) for p in self.params], "nu": [like(p) for p in self.params]}
+    if self.delayed:
+      state["held_grads"] = [like(p) for p in self.params]
+      state["held_scale"] = jax.ShapeDtypeStruct((), jnp.float32)
+    return state
+
+  def load(self, state: dict) -> None:
+    """Continues from a state ``checkpoint`` made (restored into ``checkpoint_target``)."""
+    # Copies the kernel may write: XLA's own buffers, never read into numpy.
+    params = jax.block_until_ready([_copy(p) for p in state["params"]])
+    self._buffers = [params] + ([[_copy(p) for p in params]] if self.delayed else [])
+    self._views = [[_shard_views(p) for p in buffer] for buffer in self._buffers]
+    for saved, moments in ((state["mu"], self._mu), (state["nu"], self._nu)):
+      for array, shards in zip(saved, moments):
+        for shard, values in zip(shards, _sorted_shards(array)):
+          shard[...] = np.asarray(values.data)
+    self._current = 0
+    self.count = int(state["count"])
+    self._held = ((list(state["held_grads"]), state["held_scale"])
+                  if "held_grads" in state else None)
+
   def snapshot(self) -> list[np.ndarray]:
     """Copies of the current weights as numpy arrays (for checks and checkpoints)."""
     # Through a computation: converting the live arrays would make JAX keep
     # that conversion and show it again after the next in-place update.
-    return [np.asarray(jax.jit(jnp.copy)(p)) for p in self.params]
+    return [np.asarray(_copy(p)) for p in self.params]
 
   def _apply(self, grads: Sequence[jax.Array], grad_scale, into: int) -> None:
     jax.block_until_ready((grads, grad_scale))

@@ -247,13 +247,28 @@ def _host_kernel_build(config, params, shardings, offloaded, host_groups, loss_a
   return Built(device_leaves, state, step, batch_sharding, host)
 
 
-def restore(checkpoints: ocp.CheckpointManager, step: int, params, state):
+def save(checkpoints: ocp.CheckpointManager, step: int, params, state,
+         host: Optional[HostAdamW] = None) -> None:
+  """Starts an asynchronous save of the parameters and optimizer state (and the host kernel's)."""
+  tree = {"params": params, "opt_state": state}
+  if host is not None:
+    tree["host"] = host.checkpoint()
+  checkpoints.save(step, args=ocp.args.StandardSave(tree))
+
+
+def restore(checkpoints: ocp.CheckpointManager, step: int, params, state,
+            host: Optional[HostAdamW] = None):
   """Step ``step``'s parameters and optimizer state, read straight into the shardings and
   memory kinds of ``params`` and ``state`` (orbax records no memory kind, so the target names it).
+  The host kernel's state, if any, is loaded into ``host``.
   """
   target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                         {"params": params, "opt_state": state})
+  if host is not None:
+    target["host"] = host.checkpoint_target()
   restored = checkpoints.restore(step, args=ocp.args.StandardRestore(target))
+  if host is not None:
+    host.load(restored["host"])
   return restored["params"], restored["opt_state"]
 
 
@@ -320,7 +335,7 @@ def run(config: Config, *, log=print, stop_after_step: int | None = None) -> Run
   first = 0
   if checkpoints is not None and config.checkpoint.resume and checkpoints.latest_step() is not None:
     first = checkpoints.latest_step()
-    params, state = restore(checkpoints, first, params, state)
+    params, state = restore(checkpoints, first, params, state, host)
     log(f"resumed from step {first} in {config.checkpoint.dir}")
   log(f"backend {jax.default_backend()} ({jax.device_count()} x {jax.devices()[0].device_kind}); "
       f"{m.num_layers} layers, hidden {m.hidden_size}; "
@@ -370,7 +385,7 @@ def run(config: Config, *, log=print, stop_after_step: int | None = None) -> Run
             if checkpoints is not None and checkpoints.latest_step() is not None else ""))
       if checkpoints is not None and ((i + 1) % config.checkpoint.save_interval == 0
                                       or i + 1 == last):
-        checkpoints.save(i + 1, args=ocp.args.StandardSave({"params": params, "opt_state": state}))
+        save(checkpoints, i + 1, params, state, host)
   finally:
     if jsonl is not None:
       jsonl.close()

@@ -140,9 +140,6 @@ def test_every_shipped_config_loads(path):
      "got 'device'"),
     (["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_update_on=host_kernel",
       "model.params_dtype=bfloat16"], "model.params_dtype must be float32, got 'bfloat16'"),
-    (["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_update_on=host_kernel",
-      "checkpoint.dir=/tmp/x"], "checkpoint.dir with optimizer_offload_update_on=host_kernel is not "
-                                "implemented yet"),
 ])
 def test_host_kernel_settings_are_checked(overrides, message):
   with pytest.raises(ConfigError, match=re.escape(message)):

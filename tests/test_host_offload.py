@@ -92,3 +92,30 @@ def test_delayed_updates_differ_from_exact_ones():
 def test_non_float32_weights_are_refused():
   with pytest.raises(ValueError, match="HostAdamW keeps float32 weights; leaf 0 is bfloat16"):
     HostAdamW([jnp.zeros(4, jnp.bfloat16)], learning_rate=1e-3)
+
+
+@pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (the CPU backend has 8 in CI)")
+@pytest.mark.parametrize("delayed", [False, True], ids=["exact", "delayed"])
+def test_a_loaded_checkpoint_continues_exactly(delayed):
+  weights, batches = problem()
+  mesh = jax.make_mesh((4,), ("x",), devices=jax.devices()[:4])
+  pinned = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x", None),
+                                      memory_kind="pinned_host")
+  make = lambda: HostAdamW([jax.device_put(np.array(w), pinned) for w in weights],
+                           learning_rate=schedule, delayed=delayed, **HYPER)
+
+  def steps(host, batches):
+    for batch in batches:
+      host.update(*device_step(host.params, batch))
+
+  whole, resumed = make(), make()
+  steps(whole, batches)
+  steps(resumed, batches[:3])
+  saved = resumed.checkpoint()
+  steps(resumed, batches[3:4])  # Moves on after the save, as a run does.
+  resumed.load(saved)
+  assert resumed.count == (2 if delayed else 3)  # A delayed update still holds step 3's.
+  steps(resumed, batches[3:])
+  whole.finish()
+  resumed.finish()
+  assert max_rel_diff(resumed.snapshot(), whole.snapshot()) == 0.0

@@ -101,9 +101,14 @@ def test_nan_loss_stops_with_the_step():
     train(config, log=lambda _: None)
 
 
-@pytest.mark.parametrize("offload", [[], ["optimizer.optimizer_cpu_offload=True",
-                                          "optimizer.optimizer_offload_fraction=0.5"]],
-                         ids=["plain", "optimizer-offload"])
+HOST_KERNEL = ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5",
+               "optimizer.optimizer_offload_update_on=host_kernel"]
+
+
+@pytest.mark.parametrize("offload", [
+    [], ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5"],
+    HOST_KERNEL, HOST_KERNEL + ["optimizer.delayed_update=True"],
+], ids=["plain", "optimizer-offload", "host-kernel", "host-kernel-delayed"])
 def test_resume_continues_exactly(tmp_path, offload):
   quiet = lambda _: None
   whole = train(load_config(None, ["train.train_iters=10", *offload]), log=quiet)
