@@ -15,14 +15,16 @@ delayed). The weights alternate between two buffers, one read by the device
 while the host writes the other.
 
 The update writes into JAX arrays behind JAX's back (``host_adam.writable_view``):
-keep to the loop in the example, and never pass ``HostAdamW.params`` to
-``np.asarray``; read them through a computation or ``HostAdamW.snapshot``.
+keep to the loop below (dispatch the step, then ``update``), and never pass
+``HostAdamW.params`` to ``np.asarray``; read them through a computation,
+``HostAdamW.snapshot`` or ``HostAdamW.checkpoint``.
 
 Example:
   >>> host = HostAdamW(offloaded_weights, learning_rate=schedule, weight_decay=0.1)
   >>> for tokens in batches:
-  ...   device_weights, opt_state, grads, loss = step(device_weights, host.params, opt_state, tokens)
-  ...   host.update(grads)
+  ...   device_weights, opt_state, grads, clip_scale, loss = step(
+  ...       device_weights, host.params, opt_state, tokens)
+  ...   host.update(grads, clip_scale)
   >>> host.finish()
 """
 
