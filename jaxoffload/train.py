@@ -167,7 +167,12 @@ def build(config: Config) -> Built:
     (loss, grads), _ = jax.lax.scan(accumulate, zeros, split)
     return jax.tree.map(lambda x: x / micro_batches, (loss, grads))
 
-  def placed(state):
+  def init_state(opt, params):
+    """``opt``'s state and its shardings, placed as every step will see them."""
+    # Initialised from the parameters' shapes and device shardings: host-resident
+    # weights must not be read, and their optimizer state starts where the plan says.
+    state = opt.init(jax.tree.map(lambda p: jax.ShapeDtypeStruct(
+        p.shape, p.dtype, sharding=p.sharding.with_memory_kind(DEVICE_KIND)), params))
     # Scalars optax made uncommitted are replicated over the mesh, so that step 1
     # sees the placements every later step sees and the step compiles once.
     state_shardings = jax.tree.map(
@@ -178,13 +183,9 @@ def build(config: Config) -> Built:
   batch_sharding = sharding.batch_sharding(mesh)
   if host_kernel:
     return _host_kernel_build(config, params, shardings, offloaded, host_groups, loss_and_grads,
-                              placed, batch_sharding)
+                              init_state, batch_sharding)
   opt = optimizer(config)
-  # Initialised from the parameters' shapes and device shardings: host-resident
-  # weights must not be read, and their optimizer state starts where the plan says.
-  on_device = lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype,
-                                             sharding=p.sharding.with_memory_kind(DEVICE_KIND))
-  state, state_shardings = placed(opt.init(jax.tree.map(on_device, params)))
+  state, state_shardings = init_state(opt, params)
 
   def train_step(params, state, tokens):
     loss, grads = loss_and_grads(params, tokens)
@@ -200,8 +201,8 @@ def build(config: Config) -> Built:
   return Built(params, state, step, batch_sharding)
 
 
-def _host_kernel_build(config, params, shardings, offloaded, host_groups, loss_and_grads, placed,
-                       batch_sharding) -> Built:
+def _host_kernel_build(config, params, shardings, offloaded, host_groups, loss_and_grads,
+                       init_state, batch_sharding) -> Built:
   """``build`` for ``optimizer_offload_update_on=host_kernel``: the device updates the device
   leaves in the step; ``HostAdamW`` updates the offloaded ones between steps."""
   o = config.optimizer
@@ -215,9 +216,7 @@ def _host_kernel_build(config, params, shardings, offloaded, host_groups, loss_a
   host = HostAdamW(split(leaves, True), learning_rate=learning_rate(config),
                    delayed=o.delayed_update, **adamw_args(config))
   opt = optax.adamw(learning_rate(config), **adamw_args(config))
-  on_device = lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype,
-                                             sharding=p.sharding.with_memory_kind(DEVICE_KIND))
-  state, state_shardings = placed(opt.init([on_device(p) for p in device_leaves]))
+  state, state_shardings = init_state(opt, device_leaves)
 
   def train_step(device_leaves, host_leaves, state, tokens):
     # Host weights of weight-offloaded layer groups come to the device layer by
