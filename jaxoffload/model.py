@@ -20,11 +20,9 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxoffload import sharding
 from jaxoffload._compat import to_device
 from jaxoffload.remat import LayerGroup
-
-# Logical axes of the residual stream; mesh axes come from sharding.LOGICAL_RULES.
-ACTIVATION_AXES = ("batch", "length", "embed_activation")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +45,9 @@ class LlamaConfig:
   # cuDNN's fused kernel on a GPU with 16-bit compute and XLA otherwise. JAX's
   # own None means XLA, whose backward keeps every layer's score matrix.
   attention_implementation: Optional[str] = None
+  # The mesh that activations are sharded over (sharding.LOGICAL_RULES); None
+  # leaves their placement to XLA.
+  mesh: Optional[jax.sharding.Mesh] = None
 
   @property
   def attention(self) -> str:
@@ -92,6 +93,20 @@ def _dense(features: int, config: LlamaConfig, name: str,
                   name=name, kernel_init=init)
 
 
+def _constrain(config: LlamaConfig, x: jax.Array, *feature_axes: Optional[str]) -> jax.Array:
+  """``x`` [batch, length, ...] sharded over ``config.mesh`` by its batch and feature axes.
+
+  Without these XLA may shard a matmul over its contracting axis and gather
+  the activations instead of the weights: under mesh.fsdp that replicated the
+  batch on every device and put offloaded residuals through collectives in
+  host memory.
+  """
+  if config.mesh is None:
+    return x
+  return nn.with_logical_constraint(x, ("batch", "length", *feature_axes),
+                                    rules=sharding.LOGICAL_RULES, mesh=config.mesh)
+
+
 class Attention(nn.Module):
   """Grouped-query causal self-attention through ``jax.nn.dot_product_attention``."""
 
@@ -100,19 +115,21 @@ class Attention(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     c = self.config
-    heads = lambda y, n: y.reshape(*y.shape[:-1], n, c.head_dim)
-    q = heads(_dense(c.num_heads * c.head_dim, c, "query", ("embed", "heads"))(x), c.num_heads)
-    k = heads(_dense(c.num_kv_heads * c.head_dim, c, "key", ("embed", "kv_heads"))(x),
-              c.num_kv_heads)
-    v = heads(_dense(c.num_kv_heads * c.head_dim, c, "value", ("embed", "kv_heads"))(x),
-              c.num_kv_heads)
+    def heads(name: str, axis: str, count: int) -> jax.Array:
+      y = _dense(count * c.head_dim, c, name, ("embed", axis))(x)
+      return _constrain(c, y.reshape(*y.shape[:-1], count, c.head_dim), axis, None)
+
+    q = heads("query", "heads", c.num_heads)
+    k = heads("key", "kv_heads", c.num_kv_heads)
+    v = heads("value", "kv_heads", c.num_kv_heads)
     q = checkpoint_name(rotary(q, c.rope_theta), "query_proj")
     k = checkpoint_name(rotary(k, c.rope_theta), "key_proj")
     v = checkpoint_name(v, "value_proj")
     out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=c.attention)
-    out = checkpoint_name(out, "attention_out")
+    out = checkpoint_name(_constrain(c, out, "heads", None), "attention_out")
     out = out.reshape(*out.shape[:-2], c.num_heads * c.head_dim)
-    return _dense(c.hidden_size, c, "out", ("heads", "embed"))(out)
+    out = _dense(c.hidden_size, c, "out", ("heads", "embed"))(out)
+    return _constrain(c, out, "embed_activation")
 
 
 class MLP(nn.Module):
@@ -123,10 +140,12 @@ class MLP(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     c = self.config
-    gate = checkpoint_name(_dense(c.intermediate_size, c, "gate", ("embed", "mlp"))(x), "mlp_gate")
-    up = checkpoint_name(_dense(c.intermediate_size, c, "up", ("embed", "mlp"))(x), "mlp_up")
+    hidden = lambda name: _constrain(
+        c, _dense(c.intermediate_size, c, name, ("embed", "mlp"))(x), "mlp")
+    gate = checkpoint_name(hidden("gate"), "mlp_gate")
+    up = checkpoint_name(hidden("up"), "mlp_up")
     down = _dense(c.hidden_size, c, "down", ("mlp", "embed"))
-    return down(nn.silu(gate) * up)
+    return _constrain(c, down(nn.silu(gate) * up), "embed_activation")
 
 
 class DecoderLayer(nn.Module):
@@ -136,7 +155,7 @@ class DecoderLayer(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, _: None) -> tuple[jax.Array, None]:
-    x = checkpoint_name(nn.with_logical_constraint(x, ACTIVATION_AXES), "layer_input")
+    x = checkpoint_name(_constrain(self.config, x, "embed_activation"), "layer_input")
     x = x + Attention(self.config, name="attention")(RMSNorm(self.config, name="attention_norm")(x))
     x = checkpoint_name(x, "mlp_input")
     x = x + MLP(self.config, name="mlp")(RMSNorm(self.config, name="mlp_norm")(x))
@@ -161,7 +180,7 @@ class Llama(nn.Module):
                      embedding_init=nn.with_logical_partitioning(nn.initializers.normal(0.02),
                                                                  ("vocab", "embed")),
                      name="embed")
-    x = embed(tokens)
+    x = _constrain(c, embed(tokens), "embed_activation")
     for group in self.groups:
       layer = DecoderLayer
       if group.offload_weights:
@@ -179,8 +198,10 @@ class Llama(nn.Module):
       x, _ = stack(c, name=group_name(group))(x, None)
     x = RMSNorm(c, name="final_norm")(x)
     if c.tie_embeddings:
-      return embed.attend(x).astype(jnp.float32)
-    return _dense(c.vocab_size, c, "lm_head", ("embed", "vocab"))(x).astype(jnp.float32)
+      logits = embed.attend(x)
+    else:
+      logits = _dense(c.vocab_size, c, "lm_head", ("embed", "vocab"))(x)
+    return _constrain(c, logits, "vocab").astype(jnp.float32)
 
 
 def activation_bytes(config: LlamaConfig, batch: int, seq_len: int) -> dict[str, int]:

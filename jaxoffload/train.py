@@ -122,8 +122,8 @@ def build(config: Config) -> Built:
   clip_scale)`` follows it.
   """
   groups = validate(config)
-  model_config = llama_config(config)
   mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+  model_config = dataclasses.replace(llama_config(config), mesh=mesh)
   if jax.process_count() > 1 and mesh.size != jax.device_count():
     raise ConfigError(f"mesh data={config.mesh.data} x fsdp={config.mesh.fsdp} x tensor="
                       f"{config.mesh.tensor} must use all {jax.device_count()} devices of the "

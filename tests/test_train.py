@@ -12,8 +12,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 from jaxoffload.config import load_config
-from jaxoffload.train import (COMMAND_BUFFER_FLAG, batch_at, build, checkpoint_manager, restore,
-                              set_xla_flags, train)
+from jaxoffload.train import (COMMAND_BUFFER_FLAG, batch_at, build, checkpoint_manager,
+                              global_batch, restore, set_xla_flags, train)
 
 STEPS = 5
 
@@ -92,6 +92,22 @@ def test_train_step_compiles_once(overrides):
     params, state, _ = step(params, state, jax.device_put(batch_at(config, i),
                                                           batch_sharding))
   assert step._cache_size() == 1
+
+
+@pytest.mark.parametrize("offload", [[], ["model.cpu_offloading=True",
+                                         "model.cpu_offloading_num_layers=2",
+                                         "optimizer.optimizer_cpu_offload=True",
+                                         "optimizer.optimizer_offload_fraction=0.5"]],
+                         ids=["no-offload", "offload"])
+def test_fsdp_gathers_weights_never_activations(offload):
+  config = load_config(None, ["mesh.fsdp=2", "train.global_batch_size=4",
+                              "train.micro_batch_size=4", *offload])
+  params, state, step, batch_sharding, _ = build(config)
+  hlo = step.lower(params, state, global_batch(config, 0, batch_sharding)).compile().as_text()
+  gathered = re.findall(r"= f32\[([\d,]+)\][^ ]* all-gather\(", hlo)
+  activation = f"4,{config.model.seq_length},"
+  assert gathered, "the sharded weights must be gathered"
+  assert not [shape for shape in gathered if shape.startswith(activation)], gathered
 
 
 def test_nan_loss_stops_with_the_step():
