@@ -25,6 +25,11 @@ def bytes_by_memory_kind(tree: Any) -> dict[str, int]:
 
 
 def peak_device_bytes(device: jax.Device | None = None) -> int | None:
-  """The device's peak bytes in use since the process started; None where JAX reports none (CPU)."""
-  stats = (device or jax.local_devices()[0]).memory_stats()
-  return None if not stats else stats.get("peak_bytes_in_use")
+  """Peak bytes in use since the process started on ``device``, or on the fullest local device.
+
+  None where JAX reports none (CPU).
+  """
+  devices = [device] if device is not None else jax.local_devices()
+  peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devices]
+  peaks = [p for p in peaks if p is not None]
+  return max(peaks) if peaks else None
