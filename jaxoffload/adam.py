@@ -57,6 +57,7 @@ def scale_by_offloaded_adam(
     offload_mask: OffloadMask | None = None,
     update_on: str = "host",
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    overlap_transfers: bool = False,
 ) -> optax.GradientTransformation:
   """Scales updates by Adam with ``optax.scale_by_adam``'s arithmetic, with moments partly in host memory.
 
@@ -80,6 +81,9 @@ def scale_by_offloaded_adam(
       GPU, its rounding and the host CPU's can differ in the last bit.
     chunk_bytes: with ``update_on="device"``, the most host state brought to
       the device at once, per leaf.
+    overlap_transfers: with ``update_on="device"``, bring each piece in while
+      the previous one updates (two pieces on the device at once): what
+      Megatron's ``overlap_cpu_optimizer_d2h_h2d`` asks for.
 
   Returns:
     An ``optax.GradientTransformation``. Its state carries the ``OffloadPlan``;
@@ -103,6 +107,9 @@ def scale_by_offloaded_adam(
           f"{offload_fraction!r} beside it. Leave offload_fraction at 1.0 with a mask.")
   if not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
     raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
+  if overlap_transfers and update_on != "device":
+    raise ValueError(f"overlap_transfers=True streams through the device: it needs "
+                     f"update_on='device', got {update_on!r}")
   mu_dtype = None if mu_dtype is None else jax.dtypes.canonicalize_dtype(mu_dtype)
 
   def init_fn(params):
@@ -168,7 +175,7 @@ def scale_by_offloaded_adam(
         (direction,), (mu, nu) = run_on_host(adam, scalars, (g,), (mu, nu))
       else:
         (direction,), (mu, nu) = run_streamed(adam, scalars, (g,), (mu, nu),
-                                              chunk_bytes=chunk_bytes)
+                                              chunk_bytes=chunk_bytes, overlap=overlap_transfers)
       directions.append(direction)
       new_mu.append(mu)
       new_nu.append(nu)
@@ -191,13 +198,14 @@ def offload_adamw(
     offload_fraction: float = 1.0,
     offload_mask: OffloadMask | None = None,
     update_on: str = "host",
+    overlap_transfers: bool = False,
 ) -> optax.GradientTransformation:
   """``optax.adamw`` with a chosen share of its moments in host memory.
 
   Args:
     learning_rate: a number or an optax schedule.
     b1, b2, eps, weight_decay, mask: as in ``optax.adamw``.
-    mu_dtype, offload_fraction, offload_mask, update_on: as in
+    mu_dtype, offload_fraction, offload_mask, update_on, overlap_transfers: as in
       ``scale_by_offloaded_adam``. Under ``optax.inject_hyperparams`` with a
       jitted ``init``, name ``offload_fraction`` in ``static_args``.
 
@@ -211,7 +219,8 @@ def offload_adamw(
   """
   return optax.chain(
       scale_by_offloaded_adam(b1, b2, eps, mu_dtype=mu_dtype, offload_fraction=offload_fraction,
-                              offload_mask=offload_mask, update_on=update_on),
+                              offload_mask=offload_mask, update_on=update_on,
+                              overlap_transfers=overlap_transfers),
       optax.add_decayed_weights(weight_decay, mask),
       optax.scale_by_learning_rate(learning_rate),
   )

@@ -2,11 +2,12 @@
 
   python -m jaxoffload.bench --config configs/llama_1b.yaml --steps 10 --out bench/llama_1b
 
-Runs the trainer once per setting (baseline; optimizer offload at fractions
-0.25, 0.5 and 1.0 with each update placement, and the host kernel's delayed
-update at 1.0; activation offload of half and of all but one layer; both
-offloads together), each in a fresh process so that
-no setting's memory shows in another's, on the same data and seed. Reports per
+Runs the trainer once per setting (baseline, twice; optimizer offload at
+fractions 0.25, 0.5 and 1.0 with each update placement, the device placement
+with and without overlapped copies, and the host kernel's delayed update at
+1.0; activation offload of half and of all but one layer; both offloads
+together), each in a fresh process so that no setting's memory shows in
+another's, on the same data and seed. Reports per
 setting the median and spread of step time, tokens/s, MFU, peak device memory
 (measured, and XLA's compiled estimate), pinned host memory, the step-time and
 memory ratios against the baseline, and the largest loss difference from the
@@ -34,7 +35,6 @@ from jaxoffload.train import llama_config, run
 
 GIB = 2**30
 FRACTIONS = (0.25, 0.5, 1.0)
-PLACES = ("device", "host", "host_kernel")
 NOISE_FLOOR = "baseline again"
 
 
@@ -49,6 +49,9 @@ def default_settings(num_layers: int) -> dict[str, list[str]]:
   settings = {"baseline": [], NOISE_FLOOR: []}
   for f in FRACTIONS:
     settings[f"optimizer {f} device"] = optimizer(f, "device")
+  for f in FRACTIONS:
+    settings[f"optimizer {f} device overlap"] = (
+        optimizer(f, "device") + ["optimizer.overlap_cpu_optimizer_d2h_h2d=True"])
   for n in sorted({max(num_layers // 2, 1), num_layers - 1}):
     settings[f"activations {n} layers"] = activations(n)
   settings[f"optimizer 0.5 device + activations {num_layers - 1} layers"] = (
@@ -151,16 +154,23 @@ def plot(out: str, results: list[dict]) -> list[str]:
   import matplotlib.pyplot as plt
 
   fig, (memory, ratio) = plt.subplots(1, 2, figsize=(11, 4))
-  for place in PLACES:
-    # The baseline, then the settings that offload the optimizer alone with this placement.
-    points = [(0.0, results[0])] + [
-        (float(_override(r, "optimizer.optimizer_offload_fraction")), r) for r in results
-        if _override(r, "optimizer.optimizer_offload_update_on") == place
-        and _override(r, "model.cpu_offloading") is None
-        and _override(r, "optimizer.delayed_update") is None]
+  # One curve per way of updating: the baseline, then the settings that offload
+  # the optimizer alone that way.
+  curves: dict[str, list] = {}
+  for r in results:
+    place = _override(r, "optimizer.optimizer_offload_update_on")
+    if place is None or _override(r, "model.cpu_offloading") is not None:
+      continue
+    label = " ".join([f"update on {place}"]
+                     + ["overlapped"] * (_override(r, "optimizer.overlap_cpu_optimizer_d2h_h2d")
+                                         is not None)
+                     + ["delayed"] * (_override(r, "optimizer.delayed_update") is not None))
+    curves.setdefault(label, [(0.0, results[0])]).append(
+        (float(_override(r, "optimizer.optimizer_offload_fraction")), r))
+  for label, points in curves.items():
     xs = [f for f, _ in points]
-    memory.plot(xs, [r["device_bytes"] / GIB for _, r in points], "o-", label=f"update on {place}")
-    ratio.plot(xs, [r["step_ratio"] for _, r in points], "o-", label=f"update on {place}")
+    memory.plot(xs, [r["device_bytes"] / GIB for _, r in points], "o-", label=label)
+    ratio.plot(xs, [r["step_ratio"] for _, r in points], "o-", label=label)
   memory.set(xlabel="optimizer_offload_fraction", ylabel="peak device memory (GiB)")
   ratio.set(xlabel="optimizer_offload_fraction", ylabel="step time / baseline")
   for axis in (memory, ratio):

@@ -73,6 +73,8 @@ class OptimizerConfig:
   clip_grad: float = 1.0
   optimizer_cpu_offload: bool = False
   optimizer_offload_fraction: float = 0.0
+  # With update_on=device: fetch each piece of state while the previous one
+  # updates (double buffering).
   overlap_cpu_optimizer_d2h_h2d: bool = False
   # Where offloaded state updates: device (streamed through it), host (XLA's
   # host computation), or host_kernel (weights and moments on the host, updated
@@ -298,9 +300,11 @@ def validate(config: Config) -> tuple[remat.LayerGroup, ...]:
   if d.process_id is not None and not 0 <= d.process_id < (d.num_processes or d.process_id + 1):
     raise ConfigError(f"distributed.process_id must be in [0, distributed.num_processes - 1], "
                       f"got {d.process_id}")
-  if o.overlap_cpu_optimizer_d2h_h2d:
-    raise ConfigError("optimizer.overlap_cpu_optimizer_d2h_h2d=True is not implemented yet; XLA "
-                      "schedules the copies of optimizer_offload_update_on=device by itself")
+  if o.overlap_cpu_optimizer_d2h_h2d and o.optimizer_offload_update_on != "device":
+    raise ConfigError(
+        f"optimizer.overlap_cpu_optimizer_d2h_h2d=True overlaps the copies of state streamed "
+        f"through the device: it needs optimizer.optimizer_offload_update_on=device, got "
+        f"{o.optimizer_offload_update_on!r} (with host_kernel, delayed_update=True overlaps)")
   for key, value in (("train.train_iters", config.train.train_iters),
                      ("train.global_batch_size", config.train.global_batch_size),
                      ("train.micro_batch_size", config.train.micro_batch_size),

@@ -17,6 +17,7 @@ import math
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 
 from jaxoffload._compat import HOST, on_host, to_device, to_host
 
@@ -51,7 +52,7 @@ def num_chunks(num_elements: int, host_bytes_per_element: int, chunk_bytes: int)
 
 
 def run_streamed(fn: ElementwiseFn, scalars: Sequence[Any], device_inputs: Sequence[Any],
-                 host_inputs: Sequence[Any], *, chunk_bytes: int
+                 host_inputs: Sequence[Any], *, chunk_bytes: int, overlap: bool = False
                  ) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
   """Runs ``fn`` on the device, bringing host inputs in ``chunk_bytes`` pieces.
 
@@ -62,6 +63,10 @@ def run_streamed(fn: ElementwiseFn, scalars: Sequence[Any], device_inputs: Seque
   match the device inputs' shapes and dtypes): donated host state is updated
   in place, and a dead device input's buffer (a gradient) holds the output, so
   neither side needs a second leaf-sized buffer or a copy into one.
+
+  With ``overlap`` each iteration also fetches the next piece, which depends
+  only on host state, so that XLA may copy it in while this piece updates and
+  goes back (double buffering: one more piece of device memory).
   """
   shape = device_inputs[0].shape
   size = math.prod(shape)
@@ -80,15 +85,29 @@ def run_streamed(fn: ElementwiseFn, scalars: Sequence[Any], device_inputs: Seque
   def put(x, value, index):
     return jax.lax.dynamic_update_index_in_dim(x, value, index, 0)
 
-  def body(index, carry):
-    device_pieces, host_pieces = carry
-    device_out, host_out = fn(scalars, tuple(piece(x, index) for x in device_pieces),
-                              to_device(tuple(piece(x, index) for x in host_pieces)))
+  def fetch(host_pieces, index):
+    return to_device(tuple(piece(x, index) for x in host_pieces))
+
+  def update(index, device_pieces, host_pieces, fetched):
+    device_out, host_out = fn(scalars, tuple(piece(x, index) for x in device_pieces), fetched)
     return (tuple(put(x, out, index) for x, out in zip(device_pieces, device_out)),
             tuple(put(x, out, index) for x, out in zip(host_pieces, to_host(tuple(host_out)))))
 
-  device_out, host_out = jax.lax.fori_loop(
-      0, count, body, (tuple(map(split, device_inputs)), tuple(map(split, to_host(tuple(host_inputs))))))
+  def body(index, carry):
+    device_pieces, host_pieces = carry
+    return update(index, device_pieces, host_pieces, fetch(host_pieces, index))
+
+  def overlapped_body(index, carry):
+    device_pieces, host_pieces, fetched = carry
+    # The last iteration fetches its own piece again, unused: simpler than a branch.
+    following = fetch(host_pieces, jnp.minimum(index + 1, count - 1))
+    return (*update(index, device_pieces, host_pieces, fetched), following)
+
+  carry = (tuple(map(split, device_inputs)), tuple(map(split, to_host(tuple(host_inputs)))))
+  if overlap:
+    carry = (*carry, fetch(carry[1], 0))
+  device_out, host_out, *_ = jax.lax.fori_loop(0, count, overlapped_body if overlap else body,
+                                                carry)
   device_out = tuple(x.reshape(shape) for x in device_out)
   host_out = tuple(to_host(tuple(x.reshape(shape) for x in host_out)))
   return device_out, host_out

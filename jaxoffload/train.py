@@ -77,7 +77,8 @@ def optimizer(config: Config) -> optax.GradientTransformation:
   if o.optimizer_cpu_offload:
     adamw = jaxoffload.offload_adamw(learning_rate(config), **adamw_args(config),
                                      offload_fraction=o.optimizer_offload_fraction,
-                                     update_on=o.optimizer_offload_update_on)
+                                     update_on=o.optimizer_offload_update_on,
+                                     overlap_transfers=o.overlap_cpu_optimizer_d2h_h2d)
   else:
     adamw = optax.adamw(learning_rate(config), **adamw_args(config))
   return optax.chain(optax.clip_by_global_norm(o.clip_grad), adamw)

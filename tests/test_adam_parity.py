@@ -83,10 +83,31 @@ def test_eager_matches_jit():
   assert max_rel_diff(got, want) <= 1e-5
 
 
-def test_streaming_in_many_chunks_matches_whole_leaves():
+@pytest.mark.parametrize("overlap", [False, True], ids=["one-piece-at-a-time", "overlapped"])
+def test_streaming_in_many_chunks_matches_whole_leaves(overlap):
   params = mixed_params()
-  chunked = jaxoffload.scale_by_offloaded_adam(update_on="device", chunk_bytes=64)
+  chunked = jaxoffload.scale_by_offloaded_adam(update_on="device", chunk_bytes=64,
+                                               overlap_transfers=overlap)
   whole = jaxoffload.scale_by_offloaded_adam(update_on="device", chunk_bytes=2**30)
   got, _, _ = train(chunked, params, 5)
   want, _, _ = train(whole, params, 5)
   assert max_rel_diff(got, want) <= 1e-6
+
+
+def test_overlapped_streaming_matches_optax():
+  params = mixed_params()
+  ours = optax.chain(
+      jaxoffload.scale_by_offloaded_adam(update_on="device", chunk_bytes=1024,
+                                         overlap_transfers=True),
+      optax.add_decayed_weights(1e-2),
+      optax.scale_by_learning_rate(SCHEDULE),
+  )
+  got, _, _ = train(ours, params, STEPS)
+  want, _, _ = train(optax.adamw(SCHEDULE, weight_decay=1e-2), params, STEPS)
+  assert max_rel_diff(got, want) <= 1e-5
+
+
+def test_overlap_needs_device_streaming():
+  with pytest.raises(ValueError, match="overlap_transfers=True streams through the device: it "
+                                       "needs update_on='device', got 'host'"):
+    jaxoffload.scale_by_offloaded_adam(update_on="host", overlap_transfers=True)

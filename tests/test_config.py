@@ -58,8 +58,10 @@ def test_llama_1b_is_tinyllamas_shape():
      r"optimizer.use_distributed_optimizer=True with mesh.data=2: shard the optimizer state "
      r"with mesh.fsdp=2 instead"),
     (["logging.log_interval=-1"], r"logging.log_interval must be at least 0, got -1"),
-    (["optimizer.overlap_cpu_optimizer_d2h_h2d=True"],
-     "optimizer.overlap_cpu_optimizer_d2h_h2d=True is not implemented yet"),
+    (["optimizer.overlap_cpu_optimizer_d2h_h2d=True",
+      "optimizer.optimizer_offload_update_on=host_kernel"],
+     "optimizer.overlap_cpu_optimizer_d2h_h2d=True overlaps the copies of state streamed through "
+     "the device: it needs optimizer.optimizer_offload_update_on=device, got 'host_kernel'"),
 ])
 def test_reference_rules_refuse_with_its_wording(overrides, message):
   with pytest.raises(ConfigError, match=message):
