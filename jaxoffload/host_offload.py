@@ -40,6 +40,11 @@ from jaxoffload import host_adam
 
 Schedule = Union[float, Callable[[int], float]]
 
+# Learning rates come from a table of this many updates, filled ahead: a JAX
+# schedule evaluated at each update would queue behind the device step in
+# flight, and the delayed update would wait for that step to finish.
+_SCHEDULE_TABLE = 1024
+
 
 def _sorted_shards(array: jax.Array) -> list:
   return sorted(array.addressable_shards, key=lambda s: s.device.id)
@@ -53,6 +58,19 @@ def _shard_views(array: jax.Array) -> list[np.ndarray]:
 def _copy(array: jax.Array) -> jax.Array:
   """A new array with ``array``'s values and placement, read through a computation."""
   return jax.jit(jnp.copy, out_shardings=array.sharding)(array)
+
+
+def _read_scalar(value: Union[float, jax.Array]) -> float:
+  """A ready scalar's value; read in place from host memory when it is there.
+
+  Converting a device scalar goes through a transfer, which may queue behind
+  the device step in flight.
+  """
+  if isinstance(value, jax.Array):
+    shard = value.addressable_shards[0]
+    if value.sharding.memory_kind == "pinned_host" or shard.device.platform == "cpu":
+      return float(host_adam.writable_view(shard.data))
+  return float(np.asarray(value))
 
 
 def _gather(shards: Sequence[np.ndarray], like: jax.Array) -> jax.Array:
@@ -89,6 +107,7 @@ class HostAdamW:
       if p.sharding.memory_kind != "pinned_host" and jax.default_backend() != "cpu":
         raise ValueError(f"leaf {i} must be in pinned_host memory, not {p.sharding.memory_kind}")
     self._schedule = learning_rate if callable(learning_rate) else (lambda _: learning_rate)
+    self._rates_start, self._rates = 0, self._schedule_table(0)
     self._hyper = dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
     self.delayed = delayed
     jax.block_until_ready(params)
@@ -180,6 +199,7 @@ class HostAdamW:
           shard[...] = np.asarray(values.data)
     self._current = 0
     self.count = int(state["count"])
+    self._rates_start, self._rates = self.count, self._schedule_table(self.count)
     self._held = ((list(state["held_grads"]), state["held_scale"])
                   if "held_grads" in state else None)
 
@@ -189,11 +209,23 @@ class HostAdamW:
     # that conversion and show it again after the next in-place update.
     return [np.asarray(_copy(p)) for p in self.params]
 
+  def _schedule_table(self, start: int) -> np.ndarray:
+    """The learning rates of updates ``start + 1`` to ``start + _SCHEDULE_TABLE``."""
+    counts = jnp.arange(start, start + _SCHEDULE_TABLE)
+    return np.broadcast_to(np.asarray(jax.vmap(self._schedule)(counts), np.float64), counts.shape)
+
+  def _learning_rate(self, count: int) -> float:
+    """The rate of update ``count + 1`` (optax's schedules count from 0)."""
+    if not self._rates_start <= count < self._rates_start + _SCHEDULE_TABLE:
+      self._rates_start = count
+      self._rates = self._schedule_table(count)
+    return float(self._rates[count - self._rates_start])
+
   def _apply(self, grads: Sequence[jax.Array], grad_scale, into: int) -> None:
     jax.block_until_ready((grads, grad_scale))
-    scale = float(np.asarray(grad_scale))
+    scale = _read_scalar(grad_scale)
     self.count += 1
-    learning_rate = float(self._schedule(self.count - 1))
+    learning_rate = self._learning_rate(self.count - 1)
     current, target = self._views[self._current], self._views[into]
     for leaf, grad in enumerate(grads):
       for shard, grad_view in enumerate(_shard_views(grad)):

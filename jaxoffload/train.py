@@ -237,13 +237,17 @@ def _host_kernel_build(config, params, shardings, offloaded, host_groups, loss_a
     new_leaves = optax.apply_updates(params, updates)
     new_leaves = [to_host(p) if g else p
                   for p, g in zip(new_leaves, split(in_host_group, False))]
-    clip_scale = jnp.where(clip, o.clip_grad / norm, 1.0)
+    # In host memory, so that the host reads it without a transfer that could
+    # queue behind the next device step.
+    clip_scale = to_host(jnp.where(clip, o.clip_grad / norm, 1.0))
     return new_leaves, state, loss, [to_host(g) for g in split(grads, True)], clip_scale
 
   host_grad_shardings = [s.with_memory_kind("pinned_host") for s in split(leaf_shardings, True)]
+  host_scalar = jax.sharding.NamedSharding(batch_sharding.mesh, jax.sharding.PartitionSpec(),
+                                           memory_kind="pinned_host")
   step = jax.jit(train_step, donate_argnums=(0, 2),
                  out_shardings=(device_shardings, state_shardings, None, host_grad_shardings,
-                                None))
+                                host_scalar))
   return Built(device_leaves, state, step, batch_sharding, host)
 
 

@@ -119,3 +119,22 @@ def test_a_loaded_checkpoint_continues_exactly(delayed):
   whole.finish()
   resumed.finish()
   assert max_rel_diff(resumed.snapshot(), whole.snapshot()) == 0.0
+
+
+def test_the_schedule_is_evaluated_once_per_table_not_at_each_update():
+  # An evaluation per update would queue behind the device step in flight.
+  traced = []
+
+  def schedule(count):
+    traced.append(count)
+    return 1e-3 * (1 + count)
+
+  weights, batches = problem()
+  host = HostAdamW([to_host(jnp.asarray(w)) for w in weights], learning_rate=schedule,
+                   delayed=True, **HYPER)
+  for batch in batches:
+    host.update(*device_step(host.params, batch))
+  host.finish()
+  assert len(traced) == 1
+  assert host._learning_rate(1500) == pytest.approx(1e-3 * 1501)
+  assert len(traced) == 2

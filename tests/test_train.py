@@ -244,3 +244,15 @@ def test_delayed_host_updates_train_one_step_behind(baseline_losses):
   # weights in both runs; from step 3 the delayed run is one update behind.
   assert delayed[:2] == baseline_losses[:2] and delayed[2] != baseline_losses[2]
   assert delayed[-1] < delayed[0] and abs(delayed[-1] - baseline_losses[-1]) < 0.05 * delayed[0]
+
+
+def test_host_kernel_step_leaves_what_the_host_reads_in_host_memory():
+  # The host then reads the gradients and the clipping factor in place, with no
+  # transfer that could queue behind the next device step.
+  config = load_config(None, ["optimizer.optimizer_cpu_offload=True",
+                              "optimizer.optimizer_offload_fraction=1.0",
+                              "optimizer.optimizer_offload_update_on=host_kernel"])
+  params, state, step, batch_sharding, host = build(config)
+  *_, grads, clip_scale = step(params, host.params, state, global_batch(config, 0, batch_sharding))
+  assert {g.sharding.memory_kind for g in grads} == {"pinned_host"}
+  assert clip_scale.sharding.memory_kind == "pinned_host"
