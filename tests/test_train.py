@@ -13,7 +13,7 @@ import pytest
 
 from jaxoffload.config import load_config
 from jaxoffload.train import (COMMAND_BUFFER_FLAG, batch_at, build, checkpoint_manager,
-                              global_batch, restore, set_xla_flags, train)
+                              global_batch, restore, set_xla_flags, sharded_offload_warning, train)
 
 STEPS = 5
 
@@ -256,3 +256,20 @@ def test_host_kernel_step_leaves_what_the_host_reads_in_host_memory():
   *_, grads, clip_scale = step(params, host.params, state, global_batch(config, 0, batch_sharding))
   assert {g.sharding.memory_kind for g in grads} == {"pinned_host"}
   assert clip_scale.sharding.memory_kind == "pinned_host"
+
+
+@pytest.mark.parametrize("overrides, backend, warned", [
+    (["mesh.fsdp=2"], "gpu", True),
+    (["mesh.tensor=2"], "gpu", True),
+    (["mesh.data=2"], "gpu", False),
+    (["mesh.fsdp=2"], "cpu", False),
+    (["mesh.fsdp=2", "optimizer.optimizer_offload_update_on=host"], "gpu", False),
+])
+def test_sharded_device_streaming_on_gpus_is_warned_about(overrides, backend, warned):
+  config = load_config(None, ["optimizer.optimizer_cpu_offload=True",
+                              "optimizer.optimizer_offload_fraction=0.5", *overrides])
+  warning = sharded_offload_warning(config, backend)
+  assert (warning is not None) == warned
+  if warned:
+    assert warning.startswith("warning: optimizer offload streamed through the device on a mesh "
+                              "with fsdp=") and "mesh.data avoids it" in warning
