@@ -83,6 +83,10 @@ class OptimizerConfig:
   # With host_kernel: apply step t's update while the device computes step t+1
   # (ZeRO-Offload's one-step delayed parameter update).
   delayed_update: bool = False
+  # With host_kernel: the dtype of the offloaded weights the device reads and
+  # of their gradients it sends back. bfloat16 halves the copies; only weights
+  # the model multiplies in bfloat16 travel so (see docs/config.md).
+  offload_transfer_dtype: str = "float32"
   use_torch_optimizer_for_cpu_offload: bool = False  # True is refused: there is no torch here.
   # State sharded over the devices that hold the parameters: what mesh.fsdp
   # does already; refused with mesh.data > 1, naming mesh.fsdp.
@@ -165,6 +169,7 @@ DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLEMENTATIONS = (None, "xla", "cudnn")
 CUDA_GRAPH_IMPLS = ("none", "local", "transformer_engine")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
+TRANSFER_DTYPES = ("float32", "bfloat16")
 DATASETS = ("synthetic", "text")
 
 
@@ -244,6 +249,16 @@ def validate(config: Config) -> tuple[remat.LayerGroup, ...]:
   _check_one_of("optimizer.lr_decay_style", o.lr_decay_style, LR_DECAY_STYLES)
   _check_one_of("optimizer.optimizer_offload_update_on", o.optimizer_offload_update_on,
                 UPDATE_PLACES + ("host_kernel",))
+  _check_one_of("optimizer.offload_transfer_dtype", o.offload_transfer_dtype, TRANSFER_DTYPES)
+  if o.offload_transfer_dtype != "float32":
+    if o.optimizer_offload_update_on != "host_kernel":
+      raise ConfigError(f"optimizer.offload_transfer_dtype={o.offload_transfer_dtype} needs "
+                        f"optimizer.optimizer_offload_update_on=host_kernel, got "
+                        f"{o.optimizer_offload_update_on!r}")
+    if m.dtype != "bfloat16":
+      raise ConfigError(f"optimizer.offload_transfer_dtype={o.offload_transfer_dtype} sends the "
+                        f"weights the model multiplies in bfloat16; model.dtype is {m.dtype!r}, "
+                        f"so none would be")
   if o.delayed_update and o.optimizer_offload_update_on != "host_kernel":
     raise ConfigError("optimizer.delayed_update=True needs optimizer.optimizer_offload_update_on="
                       f"host_kernel, got {o.optimizer_offload_update_on!r}")

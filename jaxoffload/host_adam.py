@@ -4,7 +4,9 @@ XLA's host computation (``compute_on('device_host')``) runs on one core
 (0.44 G params/s on the H200's host); a numba kernel over all cores updated
 pinned buffers at 5.2 G params/s there (FACTS.md). This module is that kernel:
 ``adamw_update`` applies one AdamW step to float32 arrays in place, with
-optax.adamw's arithmetic, using every core numba is allowed.
+optax.adamw's arithmetic, using every core numba is allowed; it also takes
+bfloat16 gradients and writes a bfloat16 copy of the new weights, for a device
+that reads and sends half the bytes.
 
 It works on numpy arrays. ``writable_view`` gives one over the memory of a
 single-shard JAX array in host memory, so the kernel can update JAX's pinned
@@ -19,6 +21,7 @@ import functools
 import math
 
 import jax
+import ml_dtypes
 import numpy as np
 
 try:
@@ -36,20 +39,37 @@ def _require_numba() -> None:
 def _kernel():
   """The compiled kernel, built on first use (numba compiles it once per process)."""
   _require_numba()
+  # numba widens integer arithmetic to 64 bits: each result is cut back to 32.
+  @numba.njit(inline="always")
+  def widen(bits):
+    return np.uint32(np.uint32(bits) << 16).view(np.float32)
+
+  @numba.njit(inline="always")
+  def round_to_bfloat16(x):
+    # Round to nearest even, as XLA's convert; a NaN stays a quiet NaN of its sign.
+    bits = np.float32(x).view(np.uint32)
+    if x != x:
+      return np.uint16(np.uint32((bits >> 16) & 0x8000) | 0x7FC0)
+    return np.uint16(np.uint32(bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)
 
   @numba.njit(parallel=True, cache=True)
-  def step(param, out, grad, mu, nu, grad_scale, lr, b1, b2, eps, weight_decay, bias1, bias2):
+  def step(param, out, grad, grad_bf16, copy_bf16, mu, nu, grad_scale, lr, b1, b2, eps,
+           weight_decay, bias1, bias2, grad_is_bf16, write_copy):
     # Element by element, as optax.adamw: moments, bias correction, decoupled
     # weight decay, learning rate. Scalars are float32, so is the arithmetic.
+    # bfloat16 arrays come as their uint16 bits.
     one = np.float32(1.0)
     for i in numba.prange(param.size):
-      g = grad[i] * grad_scale
+      g = (widen(grad_bf16[i]) if grad_is_bf16 else grad[i]) * grad_scale
       m = b1 * mu[i] + (one - b1) * g
       v = b2 * nu[i] + (one - b2) * (g * g)
       mu[i] = m
       nu[i] = v
       update = (m / bias1) / (np.float32(math.sqrt(v / bias2)) + eps) + weight_decay * param[i]
-      out[i] = param[i] - lr * update
+      new = param[i] - lr * update
+      out[i] = new
+      if write_copy:
+        copy_bf16[i] = round_to_bfloat16(new)
 
   return step
 
@@ -57,29 +77,38 @@ def _kernel():
 def adamw_update(param: np.ndarray, grad: np.ndarray, mu: np.ndarray, nu: np.ndarray, *,
                  learning_rate: float, count: int, b1: float = 0.9, b2: float = 0.999,
                  eps: float = 1e-8, weight_decay: float = 1e-4, grad_scale: float = 1.0,
-                 out: np.ndarray | None = None) -> None:
+                 out: np.ndarray | None = None, copy: np.ndarray | None = None) -> None:
   """One AdamW step on float32 arrays, in place, on every core numba may use.
 
   Args:
-    param, grad, mu, nu: float32 arrays of one shape, C-contiguous; ``mu`` and
+    param, mu, nu: float32 arrays of one shape, C-contiguous; ``mu`` and
       ``nu`` are overwritten, and ``param`` unless ``out`` is given.
+    grad: the gradient, float32 or bfloat16, of that shape.
     learning_rate: this step's learning rate.
     count: the step number, from 1, for the bias corrections.
     b1, b2, eps, weight_decay: as ``optax.adamw``.
     grad_scale: multiplies the gradient first (global-norm clipping's factor).
     out: where the new parameters go; None: into ``param``.
+    copy: a bfloat16 array that also receives the new parameters, rounded to
+      nearest even as XLA's conversion does.
 
   Raises:
-    ValueError: naming the array that is not float32, not contiguous or of
-      another shape.
+    ValueError: naming the array that is of a wrong dtype, not contiguous or
+      of another shape.
 
   Example:
     >>> adamw_update(w, g, m, v, learning_rate=3e-4, count=1)
   """
   out = param if out is None else out
-  for name, array in (("param", param), ("grad", grad), ("mu", mu), ("nu", nu), ("out", out)):
-    if array.dtype != np.float32:
-      raise ValueError(f"{name} must be float32, got {array.dtype}")
+  allowed = {"grad": (np.float32, ml_dtypes.bfloat16), "copy": (ml_dtypes.bfloat16,)}
+  arrays = {"param": param, "grad": grad, "mu": mu, "nu": nu, "out": out, "copy": copy}
+  for name, array in arrays.items():
+    if array is None:
+      continue
+    dtypes = allowed.get(name, (np.float32,))
+    if array.dtype not in dtypes:
+      raise ValueError(f"{name} must be {' or '.join(np.dtype(d).name for d in dtypes)}, "
+                       f"got {array.dtype}")
     if not array.flags.c_contiguous:
       raise ValueError(f"{name} must be C-contiguous")
     if array.shape != param.shape:
@@ -87,9 +116,17 @@ def adamw_update(param: np.ndarray, grad: np.ndarray, mu: np.ndarray, nu: np.nda
   if count < 1:
     raise ValueError(f"count must be at least 1 (the first step is 1), got {count}")
   f32 = np.float32
-  _kernel()(param.reshape(-1), out.reshape(-1), grad.reshape(-1), mu.reshape(-1), nu.reshape(-1),
+  grad_is_bf16 = grad.dtype == ml_dtypes.bfloat16
+  unused_bits = np.zeros(1, np.uint16)
+  unused_f32 = np.zeros(1, np.float32)
+  bits = lambda a: a.reshape(-1).view(np.uint16)
+  _kernel()(param.reshape(-1), out.reshape(-1),
+            unused_f32 if grad_is_bf16 else grad.reshape(-1),
+            bits(grad) if grad_is_bf16 else unused_bits,
+            unused_bits if copy is None else bits(copy),
+            mu.reshape(-1), nu.reshape(-1),
             f32(grad_scale), f32(learning_rate), f32(b1), f32(b2), f32(eps), f32(weight_decay),
-            f32(1 - b1**count), f32(1 - b2**count))
+            f32(1 - b1**count), f32(1 - b2**count), grad_is_bf16, copy is not None)
 
 
 def writable_view(array: jax.Array) -> np.ndarray:

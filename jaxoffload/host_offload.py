@@ -14,6 +14,14 @@ weights that lack step t's update (the other leaves, if any, are not
 delayed). The weights alternate between two buffers, one read by the device
 while the host writes the other.
 
+With ``device_dtypes`` bfloat16 for a leaf, the device reads a bfloat16 copy
+of its weights that the kernel writes beside the float32 ones, and sends its
+gradient in bfloat16: half the bytes each way. A model that multiplies in
+bfloat16 rounds those weights to the same bfloat16 values itself, so only
+the gradient's rounding is new (none when the gradient comes out of a
+bfloat16 matmul already); the moments and the weights the host keeps stay
+float32.
+
 The update writes into JAX arrays behind JAX's back (``host_adam.writable_view``):
 keep to the loop below (dispatch the step, then ``update``), and never pass
 ``HostAdamW.params`` to ``np.asarray``; read them through a computation,
@@ -37,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxoffload import host_adam
+from jaxoffload._compat import to_device, to_host
 
 Schedule = Union[float, Callable[[int], float]]
 
@@ -55,9 +64,11 @@ def _shard_views(array: jax.Array) -> list[np.ndarray]:
   return [host_adam.writable_view(shard.data) for shard in _sorted_shards(array)]
 
 
-def _copy(array: jax.Array) -> jax.Array:
-  """A new array with ``array``'s values and placement, read through a computation."""
-  return jax.jit(jnp.copy, out_shardings=array.sharding)(array)
+def _copy(array: jax.Array, dtype=None) -> jax.Array:
+  """A new array with ``array``'s values (cast to ``dtype``) and placement, made by a computation."""
+  # Cast on the device: XLA would run a cast in host memory on one host core.
+  cast = lambda x: to_host(to_device(x).astype(dtype)) if dtype else jnp.copy(x)
+  return jax.jit(cast, out_shardings=array.sharding)(array)
 
 
 def _read_scalar(value: Union[float, jax.Array]) -> float:
@@ -93,39 +104,64 @@ class HostAdamW:
     b1, b2, eps, weight_decay: as ``optax.adamw``.
     delayed: apply each call's gradients one call later, so that the host's
       work overlaps the next device step (see the module's docstring).
+    device_dtypes: per leaf, the dtype the device reads its weights in and
+      sends its gradient in: float32 (the default) or bfloat16 (see the
+      module's docstring).
 
   Raises:
-    ValueError: naming the leaf that is not float32 or not in host memory.
+    ValueError: naming the leaf that is not float32, not in host memory, or
+      given another device dtype.
   """
 
   def __init__(self, params: Sequence[jax.Array], *, learning_rate: Schedule,
                b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-4,
-               delayed: bool = False):
-    for i, p in enumerate(params):
+               delayed: bool = False, device_dtypes: Optional[Sequence] = None):
+    device_dtypes = [jnp.float32] * len(params) if device_dtypes is None else device_dtypes
+    if len(device_dtypes) != len(params):
+      raise ValueError(f"device_dtypes has {len(device_dtypes)} entries for {len(params)} leaves")
+    for i, (p, dtype) in enumerate(zip(params, device_dtypes)):
       if p.dtype != jnp.float32:
         raise ValueError(f"HostAdamW keeps float32 weights; leaf {i} is {p.dtype}")
       if p.sharding.memory_kind != "pinned_host" and jax.default_backend() != "cpu":
         raise ValueError(f"leaf {i} must be in pinned_host memory, not {p.sharding.memory_kind}")
+      if jnp.dtype(dtype) not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"leaf {i}: the device reads float32 or bfloat16, not {jnp.dtype(dtype)}")
+    self._device_dtypes = [jnp.dtype(d) for d in device_dtypes]
     self._schedule = learning_rate if callable(learning_rate) else (lambda _: learning_rate)
     self._rates_start, self._rates = 0, self._schedule_table(0)
     self._hyper = dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
     self.delayed = delayed
-    jax.block_until_ready(params)
-    self._buffers = [list(params)]
-    if delayed:
-      self._buffers.append(jax.block_until_ready([_copy(p) for p in params]))
-    self._views = [[_shard_views(p) for p in buffer] for buffer in self._buffers]
-    self._mu = [[np.zeros_like(v) for v in views] for views in self._views[0]]
-    self._nu = [[np.zeros_like(v) for v in views] for views in self._views[0]]
-    self._current = 0
+    self._place(params)
+    self._mu = [[np.zeros_like(v) for v in views[0]] for views in self._weight_views]
+    self._nu = [[np.zeros_like(v) for v in views[0]] for views in self._weight_views]
     self._held: Optional[tuple[Sequence[jax.Array], jax.Array]] = None
     self.count = 0  # Updates applied.
 
+  def _place(self, weights: Sequence[jax.Array]) -> None:
+    """Takes ``weights`` (arrays no one else holds) as the float32 weights, with their copies."""
+    buffers = 2 if self.delayed else 1  # What the device reads: one read, one written.
+    # Per leaf: its float32 weights (two when the device reads them and updates
+    # are delayed, else updated in place) and its bfloat16 copies, if any.
+    self._weights, self._copies = [], []
+    for w, dtype in zip(weights, self._device_dtypes):
+      if dtype == jnp.bfloat16:
+        self._weights.append([w])
+        self._copies.append([_copy(w, jnp.bfloat16) for _ in range(buffers)])
+      else:
+        self._weights.append([w] + [_copy(w) for _ in range(buffers - 1)])
+        self._copies.append([])
+    jax.block_until_ready((self._weights, self._copies))
+    self._weight_views = [[_shard_views(w) for w in leaf] for leaf in self._weights]
+    self._copy_views = [[_shard_views(c) for c in leaf] for leaf in self._copies]
+    self._current = 0
+
   def __str__(self) -> str:
-    elements = sum(p.size for p in self.params)
-    return (f"host kernel: {len(self.params)} leaves ({elements:,} parameter elements) with their "
-            f"weights and Adam moments in host memory, {host_adam.max_threads()} threads, "
-            + ("updates one step delayed" if self.delayed else "exact updates"))
+    elements = sum(p.size for p in self.weights)
+    halved = sum(d == jnp.bfloat16 for d in self._device_dtypes)
+    return (f"host kernel: {len(self.weights)} leaves ({elements:,} parameter elements) with "
+            f"their weights and Adam moments in host memory, {host_adam.max_threads()} threads, "
+            + ("updates one step delayed" if self.delayed else "exact updates")
+            + (f", {halved} leaves sent in bfloat16" if halved else ""))
 
   @property
   def moment_bytes(self) -> int:
@@ -133,9 +169,20 @@ class HostAdamW:
     return sum(m.nbytes for moments in (self._mu, self._nu) for leaf in moments for m in leaf)
 
   @property
+  def pinned_bytes(self) -> int:
+    """Pinned host memory of the weights and the copies the device reads."""
+    return sum(a.nbytes for leaf in self._weights + self._copies for a in leaf)
+
+  @property
   def params(self) -> list[jax.Array]:
-    """The weights the next device step must read."""
-    return self._buffers[self._current]
+    """The weights the next device step must read, in each leaf's device dtype."""
+    return [copies[self._current] if copies else weights[self._current]
+            for weights, copies in zip(self._weights, self._copies)]
+
+  @property
+  def weights(self) -> list[jax.Array]:
+    """The float32 weights with every update applied so far."""
+    return [leaf[self._current % len(leaf)] for leaf in self._weights]
 
   def update(self, grads: Sequence[jax.Array], grad_scale: Union[float, jax.Array] = 1.0
              ) -> None:
@@ -153,61 +200,57 @@ class HostAdamW:
       # The other buffer was last read by the step before the one just
       # dispatched, which finished before its gradients (waited for in _apply).
       self._apply(*held, into=1 - self._current)
-      self._current = 1 - self._current
 
   def finish(self) -> None:
     """Applies the held gradients, if any, so that ``params`` has every update."""
     if self._held is not None:
       held, self._held = self._held, None
       self._apply(*held, into=1 - self._current)
-      self._current = 1 - self._current
 
   def checkpoint(self) -> dict:
     """The host state as new JAX arrays in host memory, for orbax to save.
 
-    Weights and moments keep the weights' shardings; with ``delayed`` the
-    gradients still waiting to be applied are part of the state (call it after
-    ``update``, before ``finish``), so that a resumed run continues exactly.
+    The float32 weights and the moments keep the weights' shardings; with
+    ``delayed`` the gradients still waiting to be applied are part of the state
+    (call it after ``update``, before ``finish``), so that a resumed run
+    continues exactly.
     """
     state = {"count": np.array(self.count, np.int64),
-             "params": [_copy(p) for p in self.params],
-             "mu": [_gather(shards, p) for shards, p in zip(self._mu, self.params)],
-             "nu": [_gather(shards, p) for shards, p in zip(self._nu, self.params)]}
+             "params": [_copy(p) for p in self.weights],
+             "mu": [_gather(shards, p) for shards, p in zip(self._mu, self.weights)],
+             "nu": [_gather(shards, p) for shards, p in zip(self._nu, self.weights)]}
     if self._held is not None:
       state["held_grads"], state["held_scale"] = list(self._held[0]), jnp.asarray(self._held[1])
     return state
 
   def checkpoint_target(self) -> dict:
     """What ``checkpoint`` returns, as shapes and placements: orbax's restore target."""
-    like = lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=p.sharding)
-    state = {"count": np.array(0, np.int64), "params": [like(p) for p in self.params],
-             "mu": [like(p) for p in self.params], "nu": [like(p) for p in self.params]}
+    like = lambda p, dtype=jnp.float32: jax.ShapeDtypeStruct(p.shape, dtype, sharding=p.sharding)
+    state = {"count": np.array(0, np.int64), "params": [like(p) for p in self.weights],
+             "mu": [like(p) for p in self.weights], "nu": [like(p) for p in self.weights]}
     if self.delayed:
-      state["held_grads"] = [like(p) for p in self.params]
+      state["held_grads"] = [like(p, d) for p, d in zip(self.weights, self._device_dtypes)]
       state["held_scale"] = jax.ShapeDtypeStruct((), jnp.float32)
     return state
 
   def load(self, state: dict) -> None:
     """Continues from a state ``checkpoint`` made (restored into ``checkpoint_target``)."""
     # Copies the kernel may write: XLA's own buffers, never read into numpy.
-    params = jax.block_until_ready([_copy(p) for p in state["params"]])
-    self._buffers = [params] + ([[_copy(p) for p in params]] if self.delayed else [])
-    self._views = [[_shard_views(p) for p in buffer] for buffer in self._buffers]
+    self._place([_copy(p) for p in state["params"]])
     for saved, moments in ((state["mu"], self._mu), (state["nu"], self._nu)):
       for array, shards in zip(saved, moments):
         for shard, values in zip(shards, _sorted_shards(array)):
           shard[...] = np.asarray(values.data)
-    self._current = 0
     self.count = int(state["count"])
     self._rates_start, self._rates = self.count, self._schedule_table(self.count)
     self._held = ((list(state["held_grads"]), state["held_scale"])
                   if "held_grads" in state else None)
 
   def snapshot(self) -> list[np.ndarray]:
-    """Copies of the current weights as numpy arrays (for checks and checkpoints)."""
+    """Copies of the current float32 weights as numpy arrays (for checks and checkpoints)."""
     # Through a computation: converting the live arrays would make JAX keep
     # that conversion and show it again after the next in-place update.
-    return [np.asarray(_copy(p)) for p in self.params]
+    return [np.asarray(_copy(p)) for p in self.weights]
 
   def _schedule_table(self, start: int) -> np.ndarray:
     """The learning rates of updates ``start + 1`` to ``start + _SCHEDULE_TABLE``."""
@@ -222,14 +265,17 @@ class HostAdamW:
     return float(self._rates[count - self._rates_start])
 
   def _apply(self, grads: Sequence[jax.Array], grad_scale, into: int) -> None:
+    """Applies ``grads`` to the current weights, writing the buffers the device reads as ``into``."""
     jax.block_until_ready((grads, grad_scale))
     scale = _read_scalar(grad_scale)
     self.count += 1
     learning_rate = self._learning_rate(self.count - 1)
-    current, target = self._views[self._current], self._views[into]
     for leaf, grad in enumerate(grads):
+      weights, copies = self._weight_views[leaf], self._copy_views[leaf]
+      source, target = weights[self._current % len(weights)], weights[into % len(weights)]
       for shard, grad_view in enumerate(_shard_views(grad)):
-        host_adam.adamw_update(current[leaf][shard], grad_view, self._mu[leaf][shard],
+        host_adam.adamw_update(source[shard], grad_view, self._mu[leaf][shard],
                                self._nu[leaf][shard], learning_rate=learning_rate,
-                               count=self.count, grad_scale=scale, out=target[leaf][shard],
-                               **self._hyper)
+                               count=self.count, grad_scale=scale, out=target[shard],
+                               copy=copies[into][shard] if copies else None, **self._hyper)
+    self._current = into

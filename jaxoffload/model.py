@@ -62,6 +62,19 @@ class LlamaConfig:
     return self.hidden_size // self.num_heads
 
 
+# RMSNorm's weight: the one parameter the model multiplies in float32 whatever
+# its compute dtype.
+NORM_SCALE = "scale"
+
+
+def compute_dtypes(params: Any, config: LlamaConfig) -> Any:
+  """Per parameter leaf, the dtype the model multiplies it in: float32 for norm scales,
+  ``config.dtype`` for the rest (matmul weights and embeddings)."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: jnp.dtype(jnp.float32 if getattr(path[-1], "key", None) == NORM_SCALE
+                                else config.dtype), params)
+
+
 class RMSNorm(nn.Module):
   """Root-mean-square layer norm, computed in float32."""
 
@@ -70,7 +83,7 @@ class RMSNorm(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     init = nn.with_logical_partitioning(nn.initializers.ones, ("norm",))
-    scale = self.param("scale", init, (x.shape[-1],), self.config.param_dtype)
+    scale = self.param(NORM_SCALE, init, (x.shape[-1],), self.config.param_dtype)
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.config.norm_eps)
     return (normed * scale.astype(jnp.float32)).astype(self.config.dtype)

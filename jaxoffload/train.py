@@ -38,8 +38,8 @@ from jaxoffload import data, monitor, remat, sharding
 from jaxoffload._compat import DEVICE_KIND, to_device, to_host
 from jaxoffload.config import Config, ConfigError, load_config, validate
 from jaxoffload.host_offload import HostAdamW
-from jaxoffload.model import (Llama, LlamaConfig, abstract_params, group_name, init_params,
-                              logical_param_specs, next_token_loss)
+from jaxoffload.model import (Llama, LlamaConfig, abstract_params, compute_dtypes, group_name,
+                              init_params, logical_param_specs, next_token_loss)
 from jaxoffload.placement import leaf_path, plan_offload
 
 
@@ -164,7 +164,8 @@ def build(config: Config) -> Built:
     def accumulate(total, micro):
       return jax.tree.map(jnp.add, total, grad_fn(params, micro)), None
 
-    zeros = (jnp.zeros(()), jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), params))
+    # Summed in float32 whatever the leaves' dtype (bfloat16 host weights, say).
+    zeros = (jnp.zeros(()), jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
     (loss, grads), _ = jax.lax.scan(accumulate, zeros, split)
     return jax.tree.map(lambda x: x / micro_batches, (loss, grads))
 
@@ -214,8 +215,12 @@ def _host_kernel_build(config, params, shardings, offloaded, host_groups, loss_a
   split = lambda xs, host: [x for x, h in zip(xs, is_host) if h == host]
   leaf_shardings = jax.tree.leaves(shardings)
   device_leaves, device_shardings = split(leaves, False), split(leaf_shardings, False)
+  # Leaves the model multiplies in bfloat16 may travel so (offload_transfer_dtype).
+  multiplied_in = split(jax.tree.leaves(compute_dtypes(params, llama_config(config))), True)
+  device_dtypes = [jnp.dtype(o.offload_transfer_dtype if d == jnp.bfloat16 else jnp.float32)
+                   for d in multiplied_in]
   host = HostAdamW(split(leaves, True), learning_rate=learning_rate(config),
-                   delayed=o.delayed_update, **adamw_args(config))
+                   delayed=o.delayed_update, device_dtypes=device_dtypes, **adamw_args(config))
   opt = optax.adamw(learning_rate(config), **adamw_args(config))
   state, state_shardings = init_state(opt, device_leaves)
 
@@ -227,8 +232,8 @@ def _host_kernel_build(config, params, shardings, offloaded, host_groups, loss_a
     tree = treedef.unflatten([next(hosts) if h else next(devices) for h in is_host])
     loss, grads = loss_and_grads(tree, tokens)
     grads = jax.tree.leaves(grads)
-    # optax.clip_by_global_norm over every leaf, wherever it updates.
-    norm = optax.tree.norm(grads)
+    # optax.clip_by_global_norm over every leaf, wherever it updates, in float32.
+    norm = optax.tree.norm([g.astype(jnp.float32) for g in grads])
     clip = norm >= o.clip_grad
     device_grads = [jnp.where(clip, (g / norm.astype(g.dtype)) * o.clip_grad, g)
                     for g in split(grads, False)]
@@ -240,7 +245,8 @@ def _host_kernel_build(config, params, shardings, offloaded, host_groups, loss_a
     # In host memory, so that the host reads it without a transfer that could
     # queue behind the next device step.
     clip_scale = to_host(jnp.where(clip, o.clip_grad / norm, 1.0))
-    return new_leaves, state, loss, [to_host(g) for g in split(grads, True)], clip_scale
+    host_grads = [to_host(g.astype(d)) for g, d in zip(split(grads, True), device_dtypes)]
+    return new_leaves, state, loss, host_grads, clip_scale
 
   host_grad_shardings = [s.with_memory_kind("pinned_host") for s in split(leaf_shardings, True)]
   host_scalar = jax.sharding.NamedSharding(batch_sharding.mesh, jax.sharding.PartitionSpec(),
@@ -359,7 +365,8 @@ def run(config: Config, *, log=print, stop_after_step: int | None = None) -> Run
   compile_s = time.perf_counter() - compile_start
   analysis = compiled.memory_analysis()
   host_temp = getattr(analysis, "host_temp_size_in_bytes", 0) or 0
-  pinned = jaxoffload.bytes_by_memory_kind((params, state, host_args)).get("pinned_host", 0)
+  pinned = (jaxoffload.bytes_by_memory_kind((params, state)).get("pinned_host", 0)
+            + (0 if host is None else host.pinned_bytes))
   # The host kernel's moments are host memory too, though not pinned.
   offloaded_state = pinned + (0 if host is None else host.moment_bytes)
   log(f"compiled the step in {compile_s:.1f} s")

@@ -140,6 +140,14 @@ def test_every_shipped_config_loads(path):
     (["optimizer.delayed_update=True"],
      "optimizer.delayed_update=True needs optimizer.optimizer_offload_update_on=host_kernel, "
      "got 'device'"),
+    (["optimizer.offload_transfer_dtype=float16"],
+     "optimizer.offload_transfer_dtype must be one of ['float32', 'bfloat16'], got 'float16'"),
+    (["optimizer.offload_transfer_dtype=bfloat16", "model.dtype=bfloat16"],
+     "optimizer.offload_transfer_dtype=bfloat16 needs optimizer.optimizer_offload_update_on="
+     "host_kernel, got 'device'"),
+    (["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_update_on=host_kernel",
+      "optimizer.offload_transfer_dtype=bfloat16"],
+     "model.dtype is 'float32', so none would be"),
     (["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_update_on=host_kernel",
       "model.params_dtype=bfloat16"], "model.params_dtype must be float32, got 'bfloat16'"),
 ])

@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import optax
 import pytest
@@ -71,7 +72,7 @@ def test_updates_a_jax_host_array_in_place(problem):
 
 
 @pytest.mark.parametrize("change, message", [
-    (lambda a: a.astype(np.float64), "grad must be float32, got float64"),
+    (lambda a: a.astype(np.float64), "grad must be float32 or bfloat16, got float64"),
     (lambda a: np.asfortranarray(a), "grad must be C-contiguous"),
     (lambda a: a[:, :4].copy(), r"grad has shape \(64, 4\), param has \(64, 33\)"),
 ])
@@ -111,3 +112,27 @@ def test_out_of_place_and_scaled_gradients(problem):
   np.testing.assert_array_equal(source, param)  # Read, not written.
   np.testing.assert_array_equal(out, in_place)
   np.testing.assert_array_equal(moments[2], moments[0])
+
+
+def test_bfloat16_gradients_in_and_a_rounded_copy_out(problem):
+  param, grads = problem
+  # Values at rounding ties and specials, where a wrong rounding would show.
+  param[0, :6] = [1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, -0.0, np.inf, np.nan, 3.0e38]
+  grad_bf16 = grads[0].astype(ml_dtypes.bfloat16)
+  want, moments = param.copy(), [np.zeros_like(param) for _ in range(4)]
+  host_adam.adamw_update(want, grad_bf16.astype(np.float32), moments[0], moments[1],
+                         learning_rate=0.0, count=1, weight_decay=0.0)
+  got, copy = param.copy(), np.empty(param.shape, ml_dtypes.bfloat16)
+  host_adam.adamw_update(got, grad_bf16, moments[2], moments[3], learning_rate=0.0, count=1,
+                         weight_decay=0.0, copy=copy)
+  np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(moments[2], moments[0])
+  # A zero learning rate keeps the ties; the copy rounds the new weights as XLA does.
+  # NaN encodings differ between XLA's backends (the GPU's drops the sign).
+  xla = np.asarray(jax.jit(lambda w: w.astype(jnp.bfloat16))(got))
+  assert np.array_equal(np.isnan(copy), np.isnan(xla)) and np.isnan(copy).any()
+  numbers = ~np.isnan(xla)
+  np.testing.assert_array_equal(copy.view(np.uint16)[numbers], xla.view(np.uint16)[numbers])
+  with pytest.raises(ValueError, match="copy must be bfloat16, got float32"):
+    host_adam.adamw_update(got, grads[0], moments[2], moments[3], learning_rate=0.0, count=1,
+                           copy=np.empty_like(param))

@@ -34,34 +34,38 @@ def problem():
 def device_step(host_weights, batch):
   """Gradients of host-resident weights, back in host memory, and the clipping factor."""
   grads = jax.grad(loss_fn)([to_device(w) for w in host_weights], batch)
-  norm = optax.tree.norm(grads)
+  norm = optax.tree.norm([g.astype(jnp.float32) for g in grads])
   scale = jnp.where(norm < CLIP, 1.0, CLIP / norm)
   return [to_host(g) for g in grads], scale
 
 
-def optax_reference(weights, batches, *, delay):
-  """optax's clipped AdamW; gradients taken ``delay`` updates late."""
+def optax_reference(weights, batches, *, delay, device_dtypes=None):
+  """optax's clipped AdamW; gradients taken ``delay`` updates late, at the weights cast to
+  ``device_dtypes``."""
   opt = optax.chain(optax.clip_by_global_norm(CLIP), optax.adamw(schedule, **HYPER))
   state, history = opt.init(weights), [weights]
+  cast = lambda ws: [w.astype(d) for w, d in zip(ws, device_dtypes or [jnp.float32] * len(ws))]
   for t, batch in enumerate(batches):
-    grads = jax.grad(loss_fn)(history[max(len(history) - 1 - delay, 0)], batch)
+    grads = jax.grad(loss_fn)(cast(history[max(len(history) - 1 - delay, 0)]), batch)
+    grads = [g.astype(jnp.float32) for g in grads]
     updates, state = opt.update(grads, state, history[-1])
     history.append(optax.apply_updates(history[-1], updates))
   return history[-1]
 
 
-def host_run(weights, batches, *, delayed, shardings=None):
+def host_run(weights, batches, *, delayed, shardings=None, device_dtypes=None):
   one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   shardings = shardings or [one_device] * len(weights)
   host = HostAdamW([jax.device_put(np.array(w), s.with_memory_kind("pinned_host"))
                     for w, s in zip(weights, shardings)],
-                   learning_rate=schedule, delayed=delayed, **HYPER)
+                   learning_rate=schedule, delayed=delayed, device_dtypes=device_dtypes, **HYPER)
   for batch in batches:
     grads, scale = device_step(host.params, batch)
     host.update(grads, scale)
   host.finish()
   assert host.count == len(batches)
-  assert {w.sharding.memory_kind for w in host.params} == {"pinned_host"}
+  assert {w.sharding.memory_kind for w in host.params + host.weights} == {"pinned_host"}
+  assert [w.dtype for w in host.params] == (device_dtypes or [jnp.float32] * len(weights))
   return host.snapshot()
 
 
@@ -71,6 +75,25 @@ def test_host_updates_equal_optax(delayed):
   want = optax_reference(weights, batches, delay=1 if delayed else 0)
   got = host_run(weights, batches, delayed=delayed)
   assert max_rel_diff(got, want) <= 1e-6
+
+
+@pytest.mark.parametrize("delayed", [False, True], ids=["exact", "delayed"])
+def test_bfloat16_on_the_wire_equals_optax_at_bfloat16_weights(delayed):
+  # The device reads leaf 0 rounded to bfloat16 and sends its gradient in
+  # bfloat16; the host's float32 weights take optax's update of that gradient.
+  weights, batches = problem()
+  dtypes = [jnp.bfloat16, jnp.float32]
+  want = optax_reference(weights, batches, delay=int(delayed), device_dtypes=dtypes)
+  got = host_run(weights, batches, delayed=delayed, device_dtypes=dtypes)
+  assert max_rel_diff(got, want) <= 1e-6
+  # Not the float32 run: the rounding shows, so the check above has teeth.
+  assert max_rel_diff(got, host_run(weights, batches, delayed=delayed)) > 1e-4
+
+
+def test_other_device_dtypes_are_refused():
+  with pytest.raises(ValueError, match="leaf 1: the device reads float32 or bfloat16, not float16"):
+    HostAdamW([to_host(jnp.zeros(4)), to_host(jnp.zeros(4))], learning_rate=1e-3,
+              device_dtypes=[jnp.bfloat16, jnp.float16])
 
 
 @pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (the CPU backend has 8 in CI)")
@@ -95,14 +118,17 @@ def test_non_float32_weights_are_refused():
 
 
 @pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (the CPU backend has 8 in CI)")
-@pytest.mark.parametrize("delayed", [False, True], ids=["exact", "delayed"])
-def test_a_loaded_checkpoint_continues_exactly(delayed):
+@pytest.mark.parametrize("delayed, device_dtypes", [
+    (False, None), (True, None), (True, [jnp.bfloat16, jnp.float32])],
+    ids=["exact", "delayed", "delayed-bfloat16"])
+def test_a_loaded_checkpoint_continues_exactly(delayed, device_dtypes):
   weights, batches = problem()
   mesh = jax.make_mesh((4,), ("x",), devices=jax.devices()[:4])
   pinned = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x", None),
                                       memory_kind="pinned_host")
   make = lambda: HostAdamW([jax.device_put(np.array(w), pinned) for w in weights],
-                           learning_rate=schedule, delayed=delayed, **HYPER)
+                           learning_rate=schedule, delayed=delayed, device_dtypes=device_dtypes,
+                           **HYPER)
 
   def steps(host, batches):
     for batch in batches:

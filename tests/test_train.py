@@ -7,13 +7,17 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from jaxoffload.config import load_config
+from jaxoffload.config import load_config, validate
+from jaxoffload.model import Llama, abstract_params
+from jaxoffload.placement import leaf_path
 from jaxoffload.train import (COMMAND_BUFFER_FLAG, batch_at, build, checkpoint_manager,
-                              global_batch, restore, set_xla_flags, sharded_offload_warning, train)
+                              global_batch, llama_config, restore, set_xla_flags,
+                              sharded_offload_warning, train)
 
 STEPS = 5
 
@@ -126,7 +130,10 @@ HOST_KERNEL = ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offl
 @pytest.mark.parametrize("offload", [
     [], ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5"],
     HOST_KERNEL, HOST_KERNEL + ["optimizer.delayed_update=True"],
-], ids=["plain", "optimizer-offload", "host-kernel", "host-kernel-delayed"])
+    HOST_KERNEL + ["optimizer.delayed_update=True", "optimizer.offload_transfer_dtype=bfloat16",
+                   "model.dtype=bfloat16"],
+], ids=["plain", "optimizer-offload", "host-kernel", "host-kernel-delayed",
+        "host-kernel-delayed-bfloat16"])
 def test_resume_continues_exactly(tmp_path, offload):
   quiet = lambda _: None
   whole = train(load_config(None, ["train.train_iters=10", *offload]), log=quiet)
@@ -142,7 +149,9 @@ def test_resume_continues_exactly(tmp_path, offload):
 
 KILL_DURING_SAVE = """
 import os, signal, sys
-from jaxoffload.config import load_config
+from jaxoffload.config import load_config, validate
+from jaxoffload.model import Llama, abstract_params
+from jaxoffload.placement import leaf_path
 from jaxoffload.train import train
 
 real_rename = os.rename
@@ -244,6 +253,25 @@ def test_delayed_host_updates_train_one_step_behind(baseline_losses):
   # weights in both runs; from step 3 the delayed run is one update behind.
   assert delayed[:2] == baseline_losses[:2] and delayed[2] != baseline_losses[2]
   assert delayed[-1] < delayed[0] and abs(delayed[-1] - baseline_losses[-1]) < 0.05 * delayed[0]
+
+
+def test_bfloat16_transfers_change_no_loss_and_keep_norm_scales_float32():
+  # With one micro-batch the model rounds those weights to bfloat16 itself and
+  # their gradients come out of bfloat16 matmuls: halving the copies changes no number.
+  overrides = [f"train.train_iters={STEPS}", "model.dtype=bfloat16",
+               *HOST_KERNEL[:1], "optimizer.optimizer_offload_fraction=1.0", *HOST_KERNEL[2:]]
+  halved = load_config(None, overrides + ["optimizer.offload_transfer_dtype=bfloat16"])
+  losses = train(halved, log=lambda _: None)
+  assert losses == train(load_config(None, overrides), log=lambda _: None)
+  params, state, step, batch_sharding, host = build(halved)
+  *_, grads, _ = step(params, host.params, state, global_batch(halved, 0, batch_sharding))
+  model = Llama(llama_config(halved), validate(halved))
+  paths = jax.tree_util.tree_flatten_with_path(abstract_params(model, batch_at(halved, 0)))[0]
+  norm_scales = [leaf_path(path).endswith("norm/scale") for path, _ in paths]
+  assert any(norm_scales) and not all(norm_scales)
+  for is_scale, param, grad, weights in zip(norm_scales, host.params, grads, host.weights):
+    assert param.dtype == grad.dtype == (jnp.float32 if is_scale else jnp.bfloat16)
+    assert weights.dtype == jnp.float32
 
 
 def test_host_kernel_step_leaves_what_the_host_reads_in_host_memory():
