@@ -4,15 +4,16 @@
 
 Runs the trainer once per setting (baseline, twice; optimizer offload at
 fractions 0.25, 0.5 and 1.0 with each update placement, the device placement
-with and without overlapped copies, and the host kernel's delayed update at
-1.0; activation offload of half and of all but one layer; both offloads
+with and without overlapped copies, and the host kernel's delayed update and
+bfloat16 transfers at 1.0; activation offload of half and of all but one layer; both offloads
 together), each in a fresh process so that no setting's memory shows in
 another's, on the same data and seed. Reports per
 setting the median and spread of step time, tokens/s, MFU, peak device memory
 (measured, and XLA's compiled estimate), pinned host memory, the step-time and
 memory ratios against the baseline, and the largest loss difference from the
 baseline. Writes OUT.json, OUT.md and, with matplotlib, OUT_memory.png and
-OUT_frontier.png; ``--replot OUT.json`` redraws the plots elsewhere.
+OUT_frontier.png; ``--replot OUT.json`` redraws the plots elsewhere, and
+``--resume`` runs only the settings OUT.json lacks (after a run cut short).
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ FRACTIONS = (0.25, 0.5, 1.0)
 NOISE_FLOOR = "baseline again"
 
 
-def default_settings(num_layers: int) -> dict[str, list[str]]:
-  """Setting name -> trainer overrides; the baseline first."""
+def default_settings(num_layers: int, bfloat16_compute: bool) -> dict[str, list[str]]:
+  """Setting name -> trainer overrides; the baseline first. bfloat16 transfers of the host
+  kernel's weights and gradients are priced only for a model that computes in bfloat16."""
   optimizer = lambda f, place: ["optimizer.optimizer_cpu_offload=True",
                                 f"optimizer.optimizer_offload_fraction={f}",
                                 f"optimizer.optimizer_offload_update_on={place}"]
@@ -58,8 +60,13 @@ def default_settings(num_layers: int) -> dict[str, list[str]]:
       optimizer(0.5, "device") + activations(num_layers - 1))
   for f in FRACTIONS:
     settings[f"optimizer {f} host_kernel"] = optimizer(f, "host_kernel")
-  settings["optimizer 1.0 host_kernel delayed"] = (optimizer(1.0, "host_kernel")
-                                                   + ["optimizer.delayed_update=True"])
+  delayed = ["optimizer.delayed_update=True"]
+  halved = ["optimizer.offload_transfer_dtype=bfloat16"]
+  settings["optimizer 1.0 host_kernel delayed"] = optimizer(1.0, "host_kernel") + delayed
+  if bfloat16_compute:
+    settings["optimizer 1.0 host_kernel bf16 transfers"] = optimizer(1.0, "host_kernel") + halved
+    settings["optimizer 1.0 host_kernel delayed bf16 transfers"] = (
+        optimizer(1.0, "host_kernel") + delayed + halved)
   # The slowest last, so that a run cut short has the rest.
   for f in FRACTIONS:
     settings[f"optimizer {f} host"] = optimizer(f, "host")
@@ -223,6 +230,22 @@ def replot(json_path: str) -> None:
     print(f"wrote {path}")
 
 
+def resumed(args: argparse.Namespace) -> tuple[list[dict], str]:
+  """The results OUT.json holds, if it measured this config for as many steps, and the
+  command that made them; nothing without it."""
+  path = args.out + ".json"
+  if not os.path.exists(path):
+    return [], ""
+  with open(path) as f:
+    saved = json.load(f)
+  config = args.config or "(defaults)"
+  if (saved["meta"]["config"], saved["meta"]["steps"]) != (config, args.steps):
+    raise SystemExit(f"--resume: {path} measured {saved['meta']['config']} for "
+                     f"{saved['meta']['steps']} steps, not {config} for {args.steps}")
+  print(f"resumed {len(saved['results'])} settings from {path}", flush=True)
+  return saved["results"], saved["meta"]["command"] + ", then "
+
+
 def main(argv: Optional[list[str]] = None) -> None:
   parser = argparse.ArgumentParser(prog="python -m jaxoffload.bench", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -236,6 +259,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                            "--xla-flags=--xla_gpu_deterministic_ops=true "
                            "makes equal programs give equal losses (see docs/benchmarks)")
   parser.add_argument("--replot", metavar="JSON", help="only redraw the plots of a results file")
+  parser.add_argument("--resume", action="store_true",
+                      help="keep the settings OUT.json holds (same config and steps), run the rest")
   parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
   parser.add_argument("overrides", nargs="*", metavar="section.key=value",
                       help="applied to every setting")
@@ -250,7 +275,8 @@ def main(argv: Optional[list[str]] = None) -> None:
   common = [*args.overrides, f"train.train_iters={args.steps}", "checkpoint.dir=null",
             "logging.progress_bar=False"]
   try:
-    matrix = default_settings(load_config(args.config, common).model.num_layers)
+    model = load_config(args.config, common).model
+    matrix = default_settings(model.num_layers, model.dtype == "bfloat16")
     if args.settings:
       chosen = [name.strip() for name in args.settings.split(",")]
       unknown = [name for name in chosen if name not in matrix]
@@ -264,8 +290,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     raise SystemExit(2) from None
   env = dict(os.environ)
   env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {args.xla_flags}".strip()
-  results = []
+  results, earlier_command = resumed(args) if args.resume else ([], "")
+  table = None
   for name, overrides in matrix.items():
+    if name in {r["setting"] for r in results}:
+      continue
     command = [sys.executable, "-m", "jaxoffload.bench", "--child"]
     command += (["--config", args.config] if args.config else []) + common + overrides
     done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
@@ -282,8 +311,12 @@ def main(argv: Optional[list[str]] = None) -> None:
             **{key: results[0][key] for key in ("device", "device_count", "jax")},
             "host_cores": os.cpu_count(), "date": datetime.date.today().isoformat(),
             "xla_flags": env["XLA_FLAGS"],
-            "command": "python -m jaxoffload.bench " + shlex.join(argv or sys.argv[1:])}
+            "command": (earlier_command + "python -m jaxoffload.bench "
+                        + shlex.join(argv or sys.argv[1:]))}
     table = write(args.out, meta, results)  # After every setting: a cut-short run keeps its part.
+  if table is None:
+    print(f"nothing left to run: {args.out}.json holds every setting")
+    return
   print(table)
   replot(args.out + ".json")
 

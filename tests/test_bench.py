@@ -10,13 +10,16 @@ from jaxoffload import bench
 from jaxoffload.config import load_config
 
 
-def test_default_settings_are_valid_configs_with_the_baseline_first():
-  settings = bench.default_settings(num_layers=4)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_default_settings_are_valid_configs_with_the_baseline_first(dtype):
+  settings = bench.default_settings(num_layers=4, bfloat16_compute=dtype == "bfloat16")
   assert list(settings)[0] == "baseline" and settings["baseline"] == []
   assert {"optimizer 0.25 device", "optimizer 1.0 host", "activations 2 layers",
           "activations 3 layers", "optimizer 0.5 device + activations 3 layers"} <= set(settings)
+  halved = {name for name in settings if "bf16 transfers" in name}
+  assert len(halved) == (2 if dtype == "bfloat16" else 0)
   for overrides in settings.values():
-    load_config(None, overrides)
+    load_config(None, [f"model.dtype={dtype}", *overrides])
 
 
 def test_comparison_against_the_baseline():
@@ -34,14 +37,23 @@ def test_comparison_against_the_baseline():
   assert results[1]["max_abs_loss_diff"] == pytest.approx(0.5)
 
 
-def test_a_run_on_the_tiny_model_writes_json_table_and_plots(tmp_path):
-  out = tmp_path / "tiny"
-  done = subprocess.run(
-      [sys.executable, "-m", "jaxoffload.bench", "--steps", "3", "--out", str(out),
-       "--settings", "baseline again,optimizer 0.5 device,activations 2 layers"],
-      capture_output=True, text=True, timeout=900, check=False)
+def run_bench(*args):
+  done = subprocess.run([sys.executable, "-m", "jaxoffload.bench", *args],
+                        capture_output=True, text=True, timeout=900, check=False)
   assert done.returncode == 0, done.stderr[-3000:]
+  return done.stdout
+
+
+def test_a_run_on_the_tiny_model_writes_json_table_and_plots(tmp_path):
+  out = str(tmp_path / "tiny")
+  run_bench("--steps", "3", "--out", out, "--settings", "baseline again,optimizer 0.5 device")
+  first = json.loads((tmp_path / "tiny.json").read_text())["results"]
+  # A second run resumes: the settings measured stay, the missing one runs.
+  printed = run_bench("--steps", "3", "--out", out, "--resume",
+                      "--settings", "baseline again,optimizer 0.5 device,activations 2 layers")
+  assert "resumed 3 settings" in printed
   report = json.loads((tmp_path / "tiny.json").read_text())
+  assert [r["step_s"] for r in report["results"][:3]] == [r["step_s"] for r in first]
   names = [r["setting"] for r in report["results"]]
   assert names == ["baseline", "baseline again", "optimizer 0.5 device", "activations 2 layers"]
   assert report["meta"]["device"] and report["meta"]["jax"] and report["meta"]["steps"] == 3
@@ -56,6 +68,16 @@ def test_a_run_on_the_tiny_model_writes_json_table_and_plots(tmp_path):
   assert "The baseline run again, the noise floor of nondeterministic kernels: " in table
   assert (tmp_path / "tiny_memory.png").stat().st_size > 0
   assert (tmp_path / "tiny_frontier.png").stat().st_size > 0
+
+
+def test_resume_refuses_results_of_other_steps(tmp_path):
+  (tmp_path / "x.json").write_text(json.dumps({"meta": {"config": "(defaults)", "steps": 10},
+                                               "results": []}))
+  done = subprocess.run([sys.executable, "-m", "jaxoffload.bench", "--resume", "--steps", "3",
+                         "--out", str(tmp_path / "x")], capture_output=True, text=True,
+                        timeout=300)
+  assert done.returncode == 1
+  assert done.stderr.strip().endswith("measured (defaults) for 10 steps, not (defaults) for 3")
 
 
 def test_unknown_setting_names_the_known_ones(tmp_path):
