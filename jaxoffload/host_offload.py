@@ -169,6 +169,11 @@ class HostAdamW:
     return sum(m.nbytes for moments in (self._mu, self._nu) for leaf in moments for m in leaf)
 
   @property
+  def weight_bytes(self) -> int:
+    """Host memory of one set of the float32 weights: what the device no longer holds."""
+    return sum(w.nbytes for w in self.weights)
+
+  @property
   def pinned_bytes(self) -> int:
     """Pinned host memory of the weights and the copies the device reads."""
     return sum(a.nbytes for leaf in self._weights + self._copies for a in leaf)

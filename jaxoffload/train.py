@@ -354,8 +354,7 @@ def run(config: Config, *, log=print, stop_after_step: int | None = None) -> Run
     log(str(host))
   elif config.optimizer.optimizer_cpu_offload:
     log(str(jaxoffload.find_offload_plan(state)))
-  warning = sharded_offload_warning(config, jax.default_backend())
-  if warning:
+  for warning in offload_warnings(config, jax.default_backend()):
     log(warning)
   # The host kernel's step also reads the host-resident weights.
   host_args = () if host is None else (host.params,)
@@ -365,10 +364,13 @@ def run(config: Config, *, log=print, stop_after_step: int | None = None) -> Run
   compile_s = time.perf_counter() - compile_start
   analysis = compiled.memory_analysis()
   host_temp = getattr(analysis, "host_temp_size_in_bytes", 0) or 0
-  pinned = (jaxoffload.bytes_by_memory_kind((params, state)).get("pinned_host", 0)
-            + (0 if host is None else host.pinned_bytes))
-  # The host kernel's moments are host memory too, though not pinned.
-  offloaded_state = pinned + (0 if host is None else host.moment_bytes)
+  pinned = jaxoffload.bytes_by_memory_kind((params, state)).get("pinned_host", 0)
+  offloaded_state = pinned
+  if host is not None:
+    # Its moments are host memory too, though not pinned; its second buffers
+    # and bfloat16 copies are pinned, but no state the device would hold.
+    pinned += host.pinned_bytes
+    offloaded_state += host.weight_bytes + host.moment_bytes
   log(f"compiled the step in {compile_s:.1f} s")
   last = t.train_iters if stop_after_step is None else min(stop_after_step, t.train_iters)
   jsonl = open(config.logging.jsonl, "a") if config.logging.jsonl and reporting else None
@@ -413,17 +415,24 @@ def run(config: Config, *, log=print, stop_after_step: int | None = None) -> Run
   return Run(meter.records, compile_s, device_bytes, host_temp, offloaded_state)
 
 
-def sharded_offload_warning(config: Config, backend: str) -> Optional[str]:
-  """A warning for the combination measured slow: device-streamed optimizer offload on a GPU
-  mesh that shards parameters (fsdp or tensor > 1); None otherwise."""
+def offload_warnings(config: Config, backend: str) -> list[str]:
+  """Warnings for the combinations measured slow on GPUs (docs/benchmarks), none elsewhere."""
   o, mesh = config.optimizer, config.mesh
-  if (backend != "gpu" or not o.optimizer_cpu_offload or o.optimizer_offload_update_on != "device"
-      or max(mesh.fsdp, mesh.tensor) == 1):
-    return None
-  return (f"warning: optimizer offload streamed through the device on a mesh with fsdp="
-          f"{mesh.fsdp}, tensor={mesh.tensor} is slow on GPUs for now: XLA moves the sharded "
-          f"host state through host computation (2.9x with fsdp=2 on 2 H200s, against 1.7x with "
-          f"data=2; docs/benchmarks/multi_gpu_h200x2.md). mesh.data avoids it.")
+  if backend != "gpu" or not o.optimizer_cpu_offload or o.optimizer_offload_update_on != "device":
+    return []
+  warnings = []
+  if max(mesh.fsdp, mesh.tensor) > 1:
+    warnings.append(
+        f"warning: optimizer offload streamed through the device on a mesh with fsdp="
+        f"{mesh.fsdp}, tensor={mesh.tensor} is slow on GPUs for now: XLA moves the sharded "
+        f"host state through host computation (2.9x with fsdp=2 on 2 H200s, against 1.7x with "
+        f"data=2; docs/benchmarks/multi_gpu_h200x2.md). mesh.data avoids it.")
+  if o.overlap_cpu_optimizer_d2h_h2d:
+    warnings.append(
+        "warning: optimizer.overlap_cpu_optimizer_d2h_h2d=True is slow on GPUs for now: on an "
+        "H200 the 1.1B model's first step took 81 s at fraction 0.25 (0.45 s without it; "
+        "docs/benchmarks/h200_report.md). Leave it False there.")
+  return warnings
 
 
 # Megatron's CUDA graphs, in XLA's terms: command buffers that capture loops and

@@ -17,7 +17,7 @@ from jaxoffload.model import Llama, abstract_params
 from jaxoffload.placement import leaf_path
 from jaxoffload.train import (COMMAND_BUFFER_FLAG, batch_at, build, checkpoint_manager,
                               global_batch, llama_config, restore, set_xla_flags,
-                              sharded_offload_warning, train)
+                              offload_warnings, run, train)
 
 STEPS = 5
 
@@ -274,6 +274,18 @@ def test_bfloat16_transfers_change_no_loss_and_keep_norm_scales_float32():
     assert weights.dtype == jnp.float32
 
 
+def test_offloaded_state_counts_the_host_kernels_weights_and_moments_once():
+  # Its second weight buffer (delayed updates) is pinned memory, not state the
+  # device would otherwise hold: the predicted saving leaves it out.
+  config = load_config(None, ["train.train_iters=2", *HOST_KERNEL[:1],
+                              "optimizer.optimizer_offload_fraction=1.0", *HOST_KERNEL[2:],
+                              "optimizer.delayed_update=True"])
+  shapes = abstract_params(Llama(llama_config(config), validate(config)), batch_at(config, 0))
+  weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+  result = run(config, log=lambda _: None)
+  assert result.offloaded_state_bytes == 3 * weight_bytes
+
+
 def test_host_kernel_step_leaves_what_the_host_reads_in_host_memory():
   # The host then reads the gradients and the clipping factor in place, with no
   # transfer that could queue behind the next device step.
@@ -286,18 +298,26 @@ def test_host_kernel_step_leaves_what_the_host_reads_in_host_memory():
   assert clip_scale.sharding.memory_kind == "pinned_host"
 
 
+SHARDED = "warning: optimizer offload streamed through the device on a mesh with fsdp="
+OVERLAP = "warning: optimizer.overlap_cpu_optimizer_d2h_h2d=True is slow on GPUs for now"
+
+
 @pytest.mark.parametrize("overrides, backend, warned", [
-    (["mesh.fsdp=2"], "gpu", True),
-    (["mesh.tensor=2"], "gpu", True),
-    (["mesh.data=2"], "gpu", False),
-    (["mesh.fsdp=2"], "cpu", False),
-    (["mesh.fsdp=2", "optimizer.optimizer_offload_update_on=host"], "gpu", False),
+    (["mesh.fsdp=2"], "gpu", [SHARDED]),
+    (["mesh.tensor=2"], "gpu", [SHARDED]),
+    (["mesh.data=2"], "gpu", []),
+    (["mesh.fsdp=2"], "cpu", []),
+    (["mesh.fsdp=2", "optimizer.optimizer_offload_update_on=host"], "gpu", []),
+    (["optimizer.overlap_cpu_optimizer_d2h_h2d=True"], "gpu", [OVERLAP]),
+    (["optimizer.overlap_cpu_optimizer_d2h_h2d=True", "mesh.fsdp=2"], "gpu", [SHARDED, OVERLAP]),
+    (["optimizer.overlap_cpu_optimizer_d2h_h2d=True"], "cpu", []),
 ])
-def test_sharded_device_streaming_on_gpus_is_warned_about(overrides, backend, warned):
+def test_combinations_measured_slow_on_gpus_are_warned_about(overrides, backend, warned):
   config = load_config(None, ["optimizer.optimizer_cpu_offload=True",
                               "optimizer.optimizer_offload_fraction=0.5", *overrides])
-  warning = sharded_offload_warning(config, backend)
-  assert (warning is not None) == warned
-  if warned:
-    assert warning.startswith("warning: optimizer offload streamed through the device on a mesh "
-                              "with fsdp=") and "mesh.data avoids it" in warning
+  warnings = offload_warnings(config, backend)
+  assert len(warnings) == len(warned)
+  for warning, start in zip(warnings, warned):
+    assert warning.startswith(start)
+  if SHARDED in warned:
+    assert "mesh.data avoids it" in warnings[0]
