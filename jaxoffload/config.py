@@ -78,7 +78,8 @@ class OptimizerConfig:
   overlap_cpu_optimizer_d2h_h2d: bool = False
   # Where offloaded state updates: device (streamed through it), host (XLA's
   # host computation), or host_kernel (weights and moments on the host, updated
-  # by jaxoffload.host_adam's multi-threaded kernel between device steps).
+  # by jaxoffload.host_adam's multi-threaded kernel between device steps), or
+  # auto (the exact placement this machine runs fastest: jaxoffload.autoplace).
   optimizer_offload_update_on: str = "device"
   # With host_kernel: apply step t's update while the device computes step t+1
   # (ZeRO-Offload's one-step delayed parameter update).
@@ -248,12 +249,12 @@ def validate(config: Config) -> tuple[remat.LayerGroup, ...]:
                 ATTENTION_IMPLEMENTATIONS)
   _check_one_of("optimizer.lr_decay_style", o.lr_decay_style, LR_DECAY_STYLES)
   _check_one_of("optimizer.optimizer_offload_update_on", o.optimizer_offload_update_on,
-                UPDATE_PLACES + ("host_kernel",))
+                UPDATE_PLACES + ("host_kernel", "auto"))
   _check_one_of("optimizer.offload_transfer_dtype", o.offload_transfer_dtype, TRANSFER_DTYPES)
   if o.offload_transfer_dtype != "float32":
-    if o.optimizer_offload_update_on != "host_kernel":
+    if o.optimizer_offload_update_on not in ("host_kernel", "auto"):
       raise ConfigError(f"optimizer.offload_transfer_dtype={o.offload_transfer_dtype} needs "
-                        f"optimizer.optimizer_offload_update_on=host_kernel, got "
+                        f"optimizer.optimizer_offload_update_on=host_kernel (or auto), got "
                         f"{o.optimizer_offload_update_on!r}")
     if m.dtype != "bfloat16":
       raise ConfigError(f"optimizer.offload_transfer_dtype={o.offload_transfer_dtype} sends the "
@@ -285,7 +286,7 @@ def validate(config: Config) -> tuple[remat.LayerGroup, ...]:
     raise ConfigError("optimizer.use_torch_optimizer_for_cpu_offload=True: jaxoffload has no "
                       "torch optimizer; offloaded state updates in XLA or with its own "
                       "multi-threaded host kernel, chosen by "
-                      "optimizer.optimizer_offload_update_on (device, host or host_kernel)")
+                      "optimizer.optimizer_offload_update_on (device, host, host_kernel or auto)")
   if o.use_distributed_optimizer and config.mesh.data > 1:
     raise ConfigError(f"optimizer.use_distributed_optimizer=True with mesh.data="
                       f"{config.mesh.data}: shard the optimizer state with mesh.fsdp="

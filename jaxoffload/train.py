@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import math
 import os
 import sys
@@ -34,7 +35,7 @@ import optax
 import orbax.checkpoint as ocp
 
 import jaxoffload
-from jaxoffload import data, monitor, remat, sharding
+from jaxoffload import autoplace, data, monitor, remat, sharding
 from jaxoffload._compat import DEVICE_KIND, to_device, to_host
 from jaxoffload.config import Config, ConfigError, load_config, validate
 from jaxoffload.host_offload import HostAdamW
@@ -114,6 +115,30 @@ class Built(NamedTuple):
   host: Optional[HostAdamW] = None
 
 
+def resolve_update_place(config: Config) -> tuple[Config, Optional[autoplace.Choice]]:
+  """``config`` with ``optimizer_offload_update_on=auto`` replaced by the exact placement this
+  machine runs fastest, and that choice (``str`` shows it); any other config unchanged."""
+  o = config.optimizer
+  if o.optimizer_offload_update_on != "auto":
+    return config, None
+  resolved = lambda place: dataclasses.replace(
+      config, optimizer=dataclasses.replace(o, optimizer_offload_update_on=place))
+  if not o.optimizer_cpu_offload:
+    return resolved("device"), None
+  shapes = abstract_params(Llama(llama_config(config), validate(config)), batch_at(config, 0))
+  mask = plan_offload(shapes, offload_fraction=o.optimizer_offload_fraction).mask
+  offloaded = sum(x.size for x, off in zip(jax.tree.leaves(shapes), jax.tree.leaves(mask)) if off)
+  # Each device copies its own shards; the host kernel updates all of this process's.
+  per_device = offloaded // (config.mesh.fsdp * config.mesh.tensor)
+  choice = autoplace.choose(
+      autoplace.measure_machine(), offloaded_elements=per_device, moment_bytes_per_element=8,
+      transfer_bytes_per_element=jnp.dtype(o.offload_transfer_dtype).itemsize,
+      local_elements=per_device * jax.local_device_count(),
+      host_kernel=(config.model.params_dtype == "float32"
+                   and importlib.util.find_spec("numba") is not None))
+  return resolved(choice.place), choice
+
+
 def build(config: Config) -> Built:
   """Placed parameters, optimizer state, the jitted train step and the batch sharding.
 
@@ -122,6 +147,9 @@ def build(config: Config) -> Built:
   state, loss, host_grads, clip_scale)`` and ``host.update(host_grads,
   clip_scale)`` follows it.
   """
+  if config.optimizer.optimizer_offload_update_on == "auto":
+    raise ValueError("build needs a placement: resolve optimizer_offload_update_on=auto with "
+                     "resolve_update_place first (run does)")
   groups = validate(config)
   mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
   model_config = dataclasses.replace(llama_config(config), mesh=mesh)
@@ -339,6 +367,7 @@ def run(config: Config, *, log=print, stop_after_step: int | None = None) -> Run
       and COMMAND_BUFFER_FLAG not in os.environ.get("XLA_FLAGS", "")):
     log(f"warning: model.cuda_graph_impl={config.model.cuda_graph_impl!r} needs XLA_FLAGS="
         f"{COMMAND_BUFFER_FLAG} before JAX starts; python -m jaxoffload.train sets it")
+  config, choice = resolve_update_place(config)
   params, state, step, batch_sharding, host = build(config)
   m, t = config.model, config.train
   checkpoints = checkpoint_manager(config)
@@ -350,6 +379,8 @@ def run(config: Config, *, log=print, stop_after_step: int | None = None) -> Run
   log(f"backend {jax.default_backend()} ({jax.device_count()} x {jax.devices()[0].device_kind}); "
       f"{m.num_layers} layers, hidden {m.hidden_size}; "
       f"{t.global_batch_size} x {m.seq_length} tokens a step of {config.data.dataset} data")
+  if choice is not None:
+    log(str(choice))
   if host is not None:
     log(str(host))
   elif config.optimizer.optimizer_cpu_offload:

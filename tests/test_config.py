@@ -144,7 +144,10 @@ def test_every_shipped_config_loads(path):
      "optimizer.offload_transfer_dtype must be one of ['float32', 'bfloat16'], got 'float16'"),
     (["optimizer.offload_transfer_dtype=bfloat16", "model.dtype=bfloat16"],
      "optimizer.offload_transfer_dtype=bfloat16 needs optimizer.optimizer_offload_update_on="
-     "host_kernel, got 'device'"),
+     "host_kernel (or auto), got 'device'"),
+    (["optimizer.optimizer_offload_update_on=fastest"],
+     "optimizer.optimizer_offload_update_on must be one of ['host', 'device', 'host_kernel', "
+     "'auto'], got 'fastest'"),
     (["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_update_on=host_kernel",
       "optimizer.offload_transfer_dtype=bfloat16"],
      "model.dtype is 'float32', so none would be"),

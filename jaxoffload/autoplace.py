@@ -1,0 +1,138 @@
+"""Choosing where offloaded optimizer state updates, from what this machine measures.
+
+Both exact placements add copies and work to every step that nothing hides
+(docs/benchmarks/h200_report.md):
+
+- ``device``: the Adam moments of the offloaded leaves come to the device and
+  go back, one direction at a time.
+- ``host_kernel``: the offloaded leaves' weights come to the device and their
+  gradients go back (in float32, or bfloat16 with ``offload_transfer_dtype``),
+  then the host's cores update weights and moments.
+
+On an H200 these sums predicted the measured cost of each placement within
+0.02 s (7%) at fractions 0.25, 0.5 and 1.0. ``measure_machine`` times one copy
+each way and one call of the host kernel; ``choose`` prices each placement and
+picks the cheaper; within ``TIE`` of each other, the host kernel, which also
+takes the weights off the device. XLA's own host computation (``host``) runs
+on one core and is never chosen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import time
+
+import jax
+import numpy as np
+
+from jaxoffload._compat import DEVICE_KIND, PINNED_HOST
+
+_PROBE_BYTES = 256 * 2**20
+_PROBE_ELEMENTS = 16 * 2**20
+_REPEATS = 3
+# Predictions this close are a tie (the H200's errors were up to 7%).
+TIE = 0.1
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+  """What the placements' costs depend on, measured on this machine."""
+
+  host_to_device: float  # Bytes per second, one device.
+  device_to_host: float
+  kernel_rate: float | None  # Host-kernel parameter elements per second; None without numba.
+  kernel_threads: int | None
+
+  def __str__(self) -> str:
+    link = (f"copies {self.host_to_device / 1e9:.1f} GB/s to the device, "
+            f"{self.device_to_host / 1e9:.1f} GB/s back")
+    if self.kernel_rate is None:
+      return link + "; no host kernel (numba is not installed)"
+    return (link + f"; host kernel {self.kernel_rate / 1e9:.2f} G params/s on "
+            f"{self.kernel_threads} threads")
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+  """The placement chosen, and each candidate's predicted seconds added to a step."""
+
+  place: str
+  predicted_s: dict[str, float]
+  machine: Machine
+
+  def __str__(self) -> str:
+    others = ", ".join(f"{place} +{s:.3f} s" for place, s in self.predicted_s.items()
+                       if place != self.place)
+    return (f"optimizer_offload_update_on=auto chose {self.place}: predicted "
+            f"+{self.predicted_s[self.place]:.3f} s a step (" + (others or "no other candidate")
+            + f"; {self.machine})")
+
+
+def _best_seconds(fn) -> float:
+  fn()  # Compiles, allocates.
+  times = []
+  for _ in range(_REPEATS):
+    start = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - start)
+  return min(times)
+
+
+def measure_machine(device: jax.Device | None = None) -> Machine:
+  """Times a 256 MiB copy each way between ``device`` and its pinned host memory, and the
+  host kernel on 16 M elements (best of three each)."""
+  device = device or jax.local_devices()[0]
+  on = lambda kind: jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
+  host = jax.block_until_ready(
+      jax.device_put(np.zeros(_PROBE_BYTES // 4, np.float32), on(PINNED_HOST)))
+  held = {}
+
+  def down():
+    held["device"] = jax.block_until_ready(jax.device_put(host, on(DEVICE_KIND)))
+
+  down()
+  up = lambda: jax.block_until_ready(jax.device_put(held["device"], on(PINNED_HOST)))
+  host_to_device = _PROBE_BYTES / _best_seconds(down)
+  device_to_host = _PROBE_BYTES / _best_seconds(up)
+  if importlib.util.find_spec("numba") is None:
+    return Machine(host_to_device, device_to_host, None, None)
+  from jaxoffload import host_adam
+
+  weights, grads, mu, nu = (np.zeros(_PROBE_ELEMENTS, np.float32) for _ in range(4))
+  update = lambda: host_adam.adamw_update(weights, grads, mu, nu, learning_rate=0.0, count=1)
+  rate = _PROBE_ELEMENTS / _best_seconds(update)
+  return Machine(host_to_device, device_to_host, rate, host_adam.max_threads())
+
+
+def choose(machine: Machine, *, offloaded_elements: int, moment_bytes_per_element: int,
+           transfer_bytes_per_element: int, local_elements: int | None = None,
+           host_kernel: bool = True) -> Choice:
+  """Prices the exact placements and picks the cheaper (the host kernel in a tie).
+
+  Args:
+    machine: what ``measure_machine`` measured.
+    offloaded_elements: parameter elements whose state is offloaded, per
+      device (a device copies only its shards).
+    moment_bytes_per_element: bytes of both Adam moments per element (8 in float32).
+    transfer_bytes_per_element: bytes of one weight or gradient element on the
+      wire with the host kernel (4, or 2 with bfloat16 transfers).
+    local_elements: offloaded elements of all this process's devices, which
+      the host kernel updates with this host's cores; default
+      ``offloaded_elements``.
+    host_kernel: whether the host kernel is a candidate (numba installed,
+      float32 parameters).
+
+  Returns:
+    A ``Choice``; ``str(choice)`` is the line to show the user.
+  """
+  link = lambda nbytes: nbytes / machine.host_to_device + nbytes / machine.device_to_host
+  predicted = {"device": link(offloaded_elements * moment_bytes_per_element)}
+  if host_kernel and machine.kernel_rate is not None:
+    local = offloaded_elements if local_elements is None else local_elements
+    predicted["host_kernel"] = (link(offloaded_elements * transfer_bytes_per_element)
+                                + local / machine.kernel_rate)
+  fastest = min(predicted, key=predicted.get)
+  if "host_kernel" in predicted and predicted["host_kernel"] <= (1 + TIE) * predicted[fastest]:
+    fastest = "host_kernel"
+  return Choice(fastest, predicted, machine)
