@@ -62,11 +62,13 @@ class Choice:
   machine: Machine
 
   def __str__(self) -> str:
-    others = ", ".join(f"{place} +{s:.3f} s" for place, s in self.predicted_s.items()
-                       if place != self.place)
-    return (f"optimizer_offload_update_on=auto chose {self.place}: predicted "
-            f"+{self.predicted_s[self.place]:.3f} s a step (" + (others or "no other candidate")
-            + f"; {self.machine})")
+    def ms(place):
+      value = self.predicted_s[place] * 1e3
+      return f"+{value:,.1f} ms" if value >= 1 else f"+{value:.2g} ms"
+
+    others = ", ".join(f"{place} {ms(place)}" for place in self.predicted_s if place != self.place)
+    return (f"optimizer_offload_update_on=auto chose {self.place}: predicted {ms(self.place)} "
+            f"a step (" + (others or "no other candidate") + f"; {self.machine})")
 
 
 def _best_seconds(fn) -> float:

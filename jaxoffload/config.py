@@ -77,7 +77,7 @@ class OptimizerConfig:
   # updates (double buffering).
   overlap_cpu_optimizer_d2h_h2d: bool = False
   # Where offloaded state updates: device (streamed through it), host (XLA's
-  # host computation), or host_kernel (weights and moments on the host, updated
+  # host computation), host_kernel (weights and moments on the host, updated
   # by jaxoffload.host_adam's multi-threaded kernel between device steps), or
   # auto (the exact placement this machine runs fastest: jaxoffload.autoplace).
   optimizer_offload_update_on: str = "device"

@@ -220,8 +220,10 @@ class HostAdamW:
     (call it after ``update``, before ``finish``), so that a resumed run
     continues exactly.
     """
+    # Copied before returning: with bfloat16 copies the next update rewrites
+    # these float32 weights in place, ordered after no device work.
     state = {"count": np.array(self.count, np.int64),
-             "params": [_copy(p) for p in self.weights],
+             "params": jax.block_until_ready([_copy(p) for p in self.weights]),
              "mu": [_gather(shards, p) for shards, p in zip(self._mu, self.weights)],
              "nu": [_gather(shards, p) for shards, p in zip(self._nu, self.weights)]}
     if self._held is not None:

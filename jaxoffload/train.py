@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 import jaxoffload
 from jaxoffload import autoplace, data, monitor, remat, sharding
@@ -136,6 +137,11 @@ def resolve_update_place(config: Config) -> tuple[Config, Optional[autoplace.Cho
       local_elements=per_device * jax.local_device_count(),
       host_kernel=(config.model.params_dtype == "float32"
                    and importlib.util.find_spec("numba") is not None))
+  if jax.process_count() > 1:
+    # Every process must build the same program: process 0's choice holds.
+    places = list(choice.predicted_s)
+    first = multihost_utils.broadcast_one_to_all(np.int32(places.index(choice.place)))
+    choice = dataclasses.replace(choice, place=places[int(first)])
   return resolved(choice.place), choice
 
 

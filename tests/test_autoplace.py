@@ -42,7 +42,7 @@ def test_a_slow_link_makes_the_host_kernel_the_faster():
                             transfer_bytes_per_element=2)
   assert choice.place == "host_kernel"
   assert str(choice).startswith("optimizer_offload_update_on=auto chose host_kernel: predicted "
-                                "+0.627 s a step (device +1.600 s; copies 10.0 GB/s")
+                                "+627.3 ms a step (device +1,600.0 ms; copies 10.0 GB/s")
 
 
 def test_the_host_kernel_counts_every_local_shard():

@@ -31,7 +31,9 @@ def test_two_processes_of_four_devices_train_like_one_of_eight(tmp_path):
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
   processes = [
       subprocess.Popen(
+          # auto: each process measures its machine; process 0's choice holds for both.
           [sys.executable, "-m", "jaxoffload.train", *COMMON, "distributed.initialize=True",
+           "optimizer.optimizer_offload_update_on=auto",
            f"distributed.coordinator_address=localhost:{port}", "distributed.num_processes=2",
            f"distributed.process_id={i}", f"logging.jsonl={tmp_path}/steps{i}.jsonl",
            f"checkpoint.dir={tmp_path}/checkpoints"],
@@ -42,6 +44,7 @@ def test_two_processes_of_four_devices_train_like_one_of_eight(tmp_path):
     assert p.returncode == 0, err[-3000:]
   # Only process 0 reports (gloo writes its own lines on both).
   assert "backend cpu (8 x cpu)" in outputs[0][0] and "5 steps: loss" in outputs[0][0]
+  assert "optimizer_offload_update_on=auto chose " in outputs[0][0]
   assert "backend" not in outputs[1][0] and "loss" not in outputs[1][0]
   assert not (tmp_path / "steps1.jsonl").exists()
   losses = [json.loads(line)["loss"] for line in (tmp_path / "steps0.jsonl").read_text().splitlines()]
