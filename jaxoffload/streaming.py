@@ -101,6 +101,10 @@ def run_streamed(fn: ElementwiseFn, scalars: Sequence[Any], device_inputs: Seque
     device_pieces, host_pieces, fetched = carry
     # The last iteration fetches its own piece again, unused: simpler than a branch.
     following = fetch(host_pieces, jnp.minimum(index + 1, count - 1))
+    # Reading piece i + 1 before piece i is written back lets XLA write the host
+    # buffer in place; left unordered, XLA:GPU copied the whole buffer in every
+    # iteration (a 512 MB leaf took 3.9 s instead of 22 ms on the H200).
+    following, host_pieces = jax.lax.optimization_barrier((following, host_pieces))
     return (*update(index, device_pieces, host_pieces, fetched), following)
 
   carry = (tuple(map(split, device_inputs)), tuple(map(split, to_host(tuple(host_inputs)))))

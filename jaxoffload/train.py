@@ -464,11 +464,6 @@ def offload_warnings(config: Config, backend: str) -> list[str]:
         f"{mesh.fsdp}, tensor={mesh.tensor} is slow on GPUs for now: XLA moves the sharded "
         f"host state through host computation (2.9x with fsdp=2 on 2 H200s, against 1.7x with "
         f"data=2; docs/benchmarks/multi_gpu_h200x2.md). mesh.data avoids it.")
-  if o.overlap_cpu_optimizer_d2h_h2d:
-    warnings.append(
-        "warning: optimizer.overlap_cpu_optimizer_d2h_h2d=True is slow on GPUs for now: on an "
-        "H200 the 1.1B model's first step took 81 s at fraction 0.25 (0.45 s without it; "
-        "docs/benchmarks/h200_report.md). Leave it False there.")
   return warnings
 
 

@@ -299,7 +299,6 @@ def test_host_kernel_step_leaves_what_the_host_reads_in_host_memory():
 
 
 SHARDED = "warning: optimizer offload streamed through the device on a mesh with fsdp="
-OVERLAP = "warning: optimizer.overlap_cpu_optimizer_d2h_h2d=True is slow on GPUs for now"
 
 
 @pytest.mark.parametrize("overrides, backend, warned", [
@@ -308,9 +307,8 @@ OVERLAP = "warning: optimizer.overlap_cpu_optimizer_d2h_h2d=True is slow on GPUs
     (["mesh.data=2"], "gpu", []),
     (["mesh.fsdp=2"], "cpu", []),
     (["mesh.fsdp=2", "optimizer.optimizer_offload_update_on=host"], "gpu", []),
-    (["optimizer.overlap_cpu_optimizer_d2h_h2d=True"], "gpu", [OVERLAP]),
-    (["optimizer.overlap_cpu_optimizer_d2h_h2d=True", "mesh.fsdp=2"], "gpu", [SHARDED, OVERLAP]),
-    (["optimizer.overlap_cpu_optimizer_d2h_h2d=True"], "cpu", []),
+    (["optimizer.overlap_cpu_optimizer_d2h_h2d=True"], "gpu", []),
+    (["optimizer.overlap_cpu_optimizer_d2h_h2d=True", "mesh.fsdp=2"], "gpu", [SHARDED]),
 ])
 def test_combinations_measured_slow_on_gpus_are_warned_about(overrides, backend, warned):
   config = load_config(None, ["optimizer.optimizer_cpu_offload=True",
