@@ -53,16 +53,15 @@ def _kernel():
     return np.uint16(np.uint32(bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)
 
   @numba.njit(parallel=True, cache=True)
-  def step(param, out, grad, grad_bf16, copy_bf16, mu, nu, grad_scale, lr, b1, b2, eps,
-           weight_decay, bias1, bias2, grad_is_bf16, write_copy):
+  def step(param, out, grad, grad_bf16, copy_bf16, mu, nu, grad_scale, lr, b1, b2,
+           one_minus_b1, one_minus_b2, eps, weight_decay, bias1, bias2, grad_is_bf16, write_copy):
     # Element by element, as optax.adamw: moments, bias correction, decoupled
     # weight decay, learning rate. Scalars are float32, so is the arithmetic.
     # bfloat16 arrays come as their uint16 bits.
-    one = np.float32(1.0)
     for i in numba.prange(param.size):
       g = (widen(grad_bf16[i]) if grad_is_bf16 else grad[i]) * grad_scale
-      m = b1 * mu[i] + (one - b1) * g
-      v = b2 * nu[i] + (one - b2) * (g * g)
+      m = b1 * mu[i] + one_minus_b1 * g
+      v = b2 * nu[i] + one_minus_b2 * (g * g)
       mu[i] = m
       nu[i] = v
       update = (m / bias1) / (np.float32(math.sqrt(v / bias2)) + eps) + weight_decay * param[i]
@@ -125,8 +124,11 @@ def adamw_update(param: np.ndarray, grad: np.ndarray, mu: np.ndarray, nu: np.nda
             bits(grad) if grad_is_bf16 else unused_bits,
             unused_bits if copy is None else bits(copy),
             mu.reshape(-1), nu.reshape(-1),
-            f32(grad_scale), f32(learning_rate), f32(b1), f32(b2), f32(eps), f32(weight_decay),
-            f32(1 - b1**count), f32(1 - b2**count), grad_is_bf16, copy is not None)
+            # optax takes 1 - b1 in Python's float64 and rounds it once: 0.1, not
+            # float32(1) - float32(0.9) = 0.100000024.
+            f32(grad_scale), f32(learning_rate), f32(b1), f32(b2), f32(1 - b1), f32(1 - b2),
+            f32(eps), f32(weight_decay), f32(1 - b1**count), f32(1 - b2**count), grad_is_bf16,
+            copy is not None)
 
 
 def writable_view(array: jax.Array) -> np.ndarray:

@@ -262,7 +262,10 @@ class HostAdamW:
   def _schedule_table(self, start: int) -> np.ndarray:
     """The learning rates of updates ``start + 1`` to ``start + _SCHEDULE_TABLE``."""
     counts = jnp.arange(start, start + _SCHEDULE_TABLE)
-    return np.broadcast_to(np.asarray(jax.vmap(self._schedule)(counts), np.float64), counts.shape)
+    # One scalar at a time, as optax evaluates it inside the step: vectorised,
+    # XLA:CPU rounded some rates one bit apart.
+    rates = jax.jit(lambda counts: jax.lax.map(self._schedule, counts))(counts)
+    return np.asarray(rates, np.float64)
 
   def _learning_rate(self, count: int) -> float:
     """The rate of update ``count + 1`` (optax's schedules count from 0)."""

@@ -7,7 +7,9 @@ import optax
 import pytest
 
 from jaxoffload._compat import to_device, to_host
+from jaxoffload.config import load_config
 from jaxoffload.host_offload import HostAdamW
+from jaxoffload.train import learning_rate
 from tests.helpers import max_rel_diff
 
 HYPER = dict(b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
@@ -164,3 +166,13 @@ def test_the_schedule_is_evaluated_once_per_table_not_at_each_update():
   assert len(traced) == 1
   assert host._learning_rate(1500) == pytest.approx(1e-3 * 1501)
   assert len(traced) == 2
+
+
+def test_learning_rates_round_as_in_the_device_step():
+  # optax evaluates the schedule at a scalar count inside the step; a vectorised
+  # table rounded some of the trainer's rates one bit apart on XLA:CPU.
+  sched = learning_rate(load_config("configs/llama_1b.yaml", []))
+  host = HostAdamW([to_host(jnp.ones(4))], learning_rate=sched, **HYPER)
+  in_step = jax.jit(sched)
+  for count in range(0, 2500, 7):  # Warm-up, decay, and three tables.
+    assert host._learning_rate(count) == float(in_step(jnp.int32(count))), count
