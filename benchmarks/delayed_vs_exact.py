@@ -3,11 +3,13 @@
   python benchmarks/delayed_vs_exact.py --steps 300 --out docs/benchmarks/delayed_vs_exact_tiny \
       [--config configs/X.yaml] [section.key=value ...]
 
-Trains the same model three times on the same text batches: without offload,
-with every leaf on the host kernel (exact), and with the kernel's delayed
-update (``optimizer.delayed_update``: step t's gradients are taken at weights
-that lack step t - 1's update). Reports each curve's largest gap from the
-no-offload one, per step and as a moving average over ``--window`` steps.
+Trains the same model on the same text batches: without offload, with every
+leaf on the host kernel (exact), with the kernel's delayed update
+(``optimizer.delayed_update``: step t's gradients are taken at weights that
+lack step t - 1's update), and, for each ``--delay-after N``, delayed after N
+exact updates (``optimizer.delayed_update_after``). Reports each curve's
+largest gap from the no-offload one, per step and as a moving average over
+``--window`` steps.
 """
 
 from __future__ import annotations
@@ -38,11 +40,17 @@ def main() -> None:
   parser.add_argument("--steps", type=int, default=300)
   parser.add_argument("--window", type=int, default=20, help="steps in the moving average")
   parser.add_argument("--out", default="docs/benchmarks/delayed_vs_exact_tiny")
+  parser.add_argument("--delay-after", type=int, action="append", default=[], metavar="N",
+                      help="also run the delayed update after N exact ones (repeatable)")
   parser.add_argument("overrides", nargs="*", metavar="section.key=value")
   args = parser.parse_args()
   common = ["data.dataset=text", f"train.train_iters={args.steps}", *args.overrides]
+  runs = dict(RUNS)
+  for n in args.delay_after:
+    runs[f"host kernel, delayed after {n} exact"] = (
+        RUNS["host kernel, delayed"] + [f"optimizer.delayed_update_after={n}"])
   losses = {name: np.array(train(load_config(args.config, common + extra), log=lambda _: None))
-            for name, extra in RUNS.items()}
+            for name, extra in runs.items()}
   reference = losses["no offload"]
   results = []
   for name, curve in losses.items():

@@ -84,6 +84,8 @@ class OptimizerConfig:
   # With host_kernel: apply step t's update while the device computes step t+1
   # (ZeRO-Offload's one-step delayed parameter update).
   delayed_update: bool = False
+  # With delayed_update: updates applied exactly before the delay begins.
+  delayed_update_after: int = 0
   # With host_kernel: the dtype of the offloaded weights the device reads and
   # of their gradients it sends back. bfloat16 halves the copies; only weights
   # the model multiplies in bfloat16 travel so (see docs/config.md).
@@ -263,6 +265,11 @@ def validate(config: Config) -> tuple[remat.LayerGroup, ...]:
   if o.delayed_update and o.optimizer_offload_update_on != "host_kernel":
     raise ConfigError("optimizer.delayed_update=True needs optimizer.optimizer_offload_update_on="
                       f"host_kernel, got {o.optimizer_offload_update_on!r}")
+  if o.delayed_update_after < 0:
+    raise ConfigError(f"optimizer.delayed_update_after must be >= 0, got {o.delayed_update_after}")
+  if o.delayed_update_after and not o.delayed_update:
+    raise ConfigError(f"optimizer.delayed_update_after={o.delayed_update_after} counts the exact "
+                      f"updates before a delayed_update; set optimizer.delayed_update=True")
   if o.optimizer_cpu_offload and o.optimizer_offload_update_on == "host_kernel":
     if m.params_dtype != "float32":
       raise ConfigError("optimizer_offload_update_on=host_kernel keeps float32 weights on the "

@@ -12,7 +12,9 @@ host applies step t's gradients while the device computes step t + 1, so
 host work hides under device work: step t + 1's gradients are then taken at
 weights that lack step t's update (the other leaves, if any, are not
 delayed). The weights alternate between two buffers, one read by the device
-while the host writes the other.
+while the host writes the other. ``delay_after`` keeps the first
+updates exact: early in training, where gradients change fastest, a stale one
+can overshoot (on a 1.1B model a delay from the first update spiked the loss).
 
 With ``device_dtypes`` bfloat16 for a leaf, the device reads a bfloat16 copy
 of its weights that the kernel writes beside the float32 ones, and sends its
@@ -104,6 +106,8 @@ class HostAdamW:
     b1, b2, eps, weight_decay: as ``optax.adamw``.
     delayed: apply each call's gradients one call later, so that the host's
       work overlaps the next device step (see the module's docstring).
+    delay_after: with ``delayed``, how many updates are applied exactly
+      (at once) before the delay begins.
     device_dtypes: per leaf, the dtype the device reads its weights in and
       sends its gradient in: float32 (the default) or bfloat16 (see the
       module's docstring).
@@ -115,7 +119,10 @@ class HostAdamW:
 
   def __init__(self, params: Sequence[jax.Array], *, learning_rate: Schedule,
                b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-4,
-               delayed: bool = False, device_dtypes: Optional[Sequence] = None):
+               delayed: bool = False, delay_after: int = 0,
+               device_dtypes: Optional[Sequence] = None):
+    if not isinstance(delay_after, int) or delay_after < 0:
+      raise ValueError(f"delay_after must be an int >= 0, got {delay_after!r}")
     device_dtypes = [jnp.float32] * len(params) if device_dtypes is None else device_dtypes
     if len(device_dtypes) != len(params):
       raise ValueError(f"device_dtypes has {len(device_dtypes)} entries for {len(params)} leaves")
@@ -131,6 +138,7 @@ class HostAdamW:
     self._rates_start, self._rates = 0, self._schedule_table(0)
     self._hyper = dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
     self.delayed = delayed
+    self.delay_after = delay_after
     self._place(params)
     self._mu = [[np.zeros_like(v) for v in views[0]] for views in self._weight_views]
     self._nu = [[np.zeros_like(v) for v in views[0]] for views in self._weight_views]
@@ -160,7 +168,8 @@ class HostAdamW:
     halved = sum(d == jnp.bfloat16 for d in self._device_dtypes)
     return (f"host kernel: {len(self.weights)} leaves ({elements:,} parameter elements) with "
             f"their weights and Adam moments in host memory, {host_adam.max_threads()} threads, "
-            + ("updates one step delayed" if self.delayed else "exact updates")
+            + (f"updates one step delayed after {self.delay_after} exact ones"
+               if self.delayed else "exact updates")
             + (f", {halved} leaves sent in bfloat16" if halved else ""))
 
   @property
@@ -197,7 +206,9 @@ class HostAdamW:
     it waits for what it applies. ``grad_scale`` multiplies the gradients
     first (global-norm clipping's factor, computed on the device).
     """
-    if not self.delayed:
+    if not self.delayed or (self._held is None and self.count < self.delay_after):
+      # Exact: the step that read the current weights has finished (its
+      # gradients are waited for), and the next is not yet dispatched.
       self._apply(grads, grad_scale, into=self._current)
       return
     held, self._held = self._held, (grads, grad_scale)

@@ -140,6 +140,12 @@ def test_every_shipped_config_loads(path):
     (["optimizer.delayed_update=True"],
      "optimizer.delayed_update=True needs optimizer.optimizer_offload_update_on=host_kernel, "
      "got 'device'"),
+    (["optimizer.delayed_update_after=40"],
+     "optimizer.delayed_update_after=40 counts the exact updates before a delayed_update; set "
+     "optimizer.delayed_update=True"),
+    (["optimizer.delayed_update_after=-1", "optimizer.delayed_update=True",
+      "optimizer.optimizer_offload_update_on=host_kernel"],
+     "optimizer.delayed_update_after must be >= 0, got -1"),
     (["optimizer.offload_transfer_dtype=float16"],
      "optimizer.offload_transfer_dtype must be one of ['float32', 'bfloat16'], got 'float16'"),
     (["optimizer.offload_transfer_dtype=bfloat16", "model.dtype=bfloat16"],

@@ -41,26 +41,28 @@ def device_step(host_weights, batch):
   return [to_host(g) for g in grads], scale
 
 
-def optax_reference(weights, batches, *, delay, device_dtypes=None):
-  """optax's clipped AdamW; gradients taken ``delay`` updates late, at the weights cast to
-  ``device_dtypes``."""
+def optax_reference(weights, batches, *, delay, delay_after=0, device_dtypes=None):
+  """optax's clipped AdamW; gradients taken ``delay`` updates late once ``delay_after``
+  updates are applied, at the weights cast to ``device_dtypes``."""
   opt = optax.chain(optax.clip_by_global_norm(CLIP), optax.adamw(schedule, **HYPER))
   state, history = opt.init(weights), [weights]
   cast = lambda ws: [w.astype(d) for w, d in zip(ws, device_dtypes or [jnp.float32] * len(ws))]
   for t, batch in enumerate(batches):
-    grads = jax.grad(loss_fn)(cast(history[max(len(history) - 1 - delay, 0)]), batch)
+    late = delay if t > delay_after else 0
+    grads = jax.grad(loss_fn)(cast(history[max(t - late, 0)]), batch)
     grads = [g.astype(jnp.float32) for g in grads]
     updates, state = opt.update(grads, state, history[-1])
     history.append(optax.apply_updates(history[-1], updates))
   return history[-1]
 
 
-def host_run(weights, batches, *, delayed, shardings=None, device_dtypes=None):
+def host_run(weights, batches, *, delayed, delay_after=0, shardings=None, device_dtypes=None):
   one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   shardings = shardings or [one_device] * len(weights)
   host = HostAdamW([jax.device_put(np.array(w), s.with_memory_kind("pinned_host"))
                     for w, s in zip(weights, shardings)],
-                   learning_rate=schedule, delayed=delayed, device_dtypes=device_dtypes, **HYPER)
+                   learning_rate=schedule, delayed=delayed, delay_after=delay_after,
+                   device_dtypes=device_dtypes, **HYPER)
   for batch in batches:
     grads, scale = device_step(host.params, batch)
     host.update(grads, scale)
@@ -77,6 +79,21 @@ def test_host_updates_equal_optax(delayed):
   want = optax_reference(weights, batches, delay=1 if delayed else 0)
   got = host_run(weights, batches, delayed=delayed)
   assert max_rel_diff(got, want) <= 1e-6
+
+
+def test_delay_begins_after_the_exact_updates_asked_for():
+  weights, batches = problem()
+  got = host_run(weights, batches, delayed=True, delay_after=3)
+  assert max_rel_diff(got, optax_reference(weights, batches, delay=1, delay_after=3)) <= 1e-6
+  # Neither the exact run nor one delayed from the start.
+  assert max_rel_diff(got, optax_reference(weights, batches, delay=0)) > 1e-4
+  assert max_rel_diff(got, optax_reference(weights, batches, delay=1)) > 1e-4
+
+
+@pytest.mark.parametrize("delay_after", [-1, 1.5])
+def test_a_bad_delay_after_is_refused(delay_after):
+  with pytest.raises(ValueError, match=f"delay_after must be an int >= 0, got {delay_after}"):
+    HostAdamW([to_host(jnp.ones(4))], learning_rate=1e-3, delayed=True, delay_after=delay_after)
 
 
 @pytest.mark.parametrize("delayed", [False, True], ids=["exact", "delayed"])

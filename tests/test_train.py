@@ -299,6 +299,7 @@ def test_host_kernel_step_leaves_what_the_host_reads_in_host_memory():
 
 
 SHARDED = "warning: optimizer offload streamed through the device on a mesh with fsdp="
+DELAYED = "warning: optimizer.delayed_update=True takes each gradient one update late (after 0"
 
 
 @pytest.mark.parametrize("overrides, backend, warned", [
@@ -309,8 +310,11 @@ SHARDED = "warning: optimizer offload streamed through the device on a mesh with
     (["mesh.fsdp=2", "optimizer.optimizer_offload_update_on=host"], "gpu", []),
     (["optimizer.overlap_cpu_optimizer_d2h_h2d=True"], "gpu", []),
     (["optimizer.overlap_cpu_optimizer_d2h_h2d=True", "mesh.fsdp=2"], "gpu", [SHARDED]),
+    ([*HOST_KERNEL, "optimizer.delayed_update=True"], "cpu", [DELAYED]),
+    ([*HOST_KERNEL, "optimizer.delayed_update=True"], "gpu", [DELAYED]),
+    (HOST_KERNEL, "gpu", []),
 ])
-def test_combinations_measured_slow_on_gpus_are_warned_about(overrides, backend, warned):
+def test_combinations_measured_slow_or_worse_are_warned_about(overrides, backend, warned):
   config = load_config(None, ["optimizer.optimizer_cpu_offload=True",
                               "optimizer.optimizer_offload_fraction=0.5", *overrides])
   warnings = offload_warnings(config, backend)
