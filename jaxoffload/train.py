@@ -460,10 +460,10 @@ def offload_warnings(config: Config, backend: str) -> list[str]:
   warnings = []
   if o.delayed_update:
     warnings.append(
-        f"warning: optimizer.delayed_update=True takes each gradient one update late (after "
-        f"{o.delayed_update_after} exact updates): on a 1.1B Llama trained from scratch on "
-        f"text it fell 2.8 nats behind the exact update in 300 steps "
-        f"(docs/benchmarks/h200_report.md). Compare its loss with exact updates first.")
+        f"warning: optimizer.delayed_update=True takes each gradient one update late after "
+        f"the first {o.delayed_update_after} updates (optimizer.delayed_update_after): on a "
+        f"1.1B Llama trained from scratch on text it fell 2.8 nats behind the exact update in "
+        f"300 steps (docs/benchmarks/h200_report.md). Compare its loss with exact updates.")
   if backend != "gpu" or not o.optimizer_cpu_offload or o.optimizer_offload_update_on != "device":
     return warnings
   if max(mesh.fsdp, mesh.tensor) > 1:

@@ -299,7 +299,8 @@ def test_host_kernel_step_leaves_what_the_host_reads_in_host_memory():
 
 
 SHARDED = "warning: optimizer offload streamed through the device on a mesh with fsdp="
-DELAYED = "warning: optimizer.delayed_update=True takes each gradient one update late (after 0"
+DELAYED = ("warning: optimizer.delayed_update=True takes each gradient one update late after "
+           "the first 0 updates")
 
 
 @pytest.mark.parametrize("overrides, backend, warned", [
