@@ -5,7 +5,10 @@
 Fresh ``np.zeros`` pages are one shared zero page until written: the kernel
 reads its gradients from cache there, faster than from the memory of a step.
 """
-import time, numpy as np, jax
+import time
+
+import numpy as np
+
 from jaxoffload import host_adam, autoplace
 def best(n, fill):
   arrays = [np.zeros(n, np.float32) if fill is None else np.full(n, fill, np.float32) for _ in range(4)]

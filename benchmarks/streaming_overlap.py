@@ -13,7 +13,7 @@ memory, updated in 16 and 64 MiB pieces by:
 Prints each one's median time, XLA's temporary bytes and the aggregate copy rate,
 and writes the compiled HLO of each beside a summary in OUTDIR.
 """
-import math, os, re, statistics, sys, time
+import os, re, statistics, sys, time
 import jax, jax.numpy as jnp, numpy as np
 from jaxoffload._compat import to_device, to_host
 from jaxoffload import streaming
@@ -86,7 +86,6 @@ mk = lambda seed: jax.device_put(np.random.default_rng(seed).random(N, np.float3
 g0 = jax.device_put(np.random.default_rng(9).random(N, np.float32) - 0.5, jax.devices()[0])
 scal = (jnp.asarray(3.0),)
 outs = ((host_sharding, host_sharding), (g0.sharding,))
-ref = None
 summary = []
 for chunk_mib in (16, 64):
   cb = chunk_mib * 2**20
