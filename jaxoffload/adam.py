@@ -71,7 +71,8 @@ def scale_by_offloaded_adam(
     eps: added to the denominator's square root.
     mu_dtype: dtype of the first moment; None keeps the parameters' dtype.
     offload_fraction: share of parameter elements whose moments go to host
-      memory, in [0.0, 1.0]; whole leaves are chosen, in tree order.
+      memory, in [0.0, 1.0]; whole leaves are chosen, those whose share lies
+      nearest (see ``plan_offload``).
     offload_mask: picks the offloaded leaves instead (a pytree of bools, or
       ``fn(path, leaf) -> bool``); leave ``offload_fraction`` at 1.0 with it.
     update_on: where offloaded leaves update. ``"host"``: gradients go to host

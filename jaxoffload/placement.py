@@ -90,11 +90,16 @@ def plan_offload(params: Any, *, offload_fraction: float = 1.0,
                  offload_mask: OffloadMask | None = None) -> OffloadPlan:
   """Chooses the parameter leaves whose optimizer state goes to host memory.
 
-  Without a mask, leaves are visited in ``jax.tree.leaves`` order (dict keys
-  sorted) and offloaded while the offloaded share is still below
-  ``offload_fraction``, as Megatron-Core's HybridDeviceOptimizer fills its CPU
-  share. Leaves are never split, so the achieved share (``plan.fraction``) can
-  pass the one asked for by less than one leaf.
+  Without a mask, the leaves offloaded are those whose share of the elements
+  lies nearest ``offload_fraction``: the largest leaves first, each taken
+  while it fits under the share, then the smallest one left out if adding it
+  lands nearer; at least one leaf when the fraction is above 0. Leaves are
+  never split, so the achieved share (``plan.fraction``) misses the one asked
+  for by up to half a leaf (more only when a single leaf passes it). Megatron-Core's
+  HybridDeviceOptimizer fills its CPU share in parameter order instead; with
+  per-layer tensors that lands near the share, but a scanned model's leaves
+  stack every layer (on TinyLlama-1.1B one leaf holds 23% of the elements),
+  and filling in order offloaded 48% for 0.25.
 
   Scalar (0-d) leaves always stay on the device: offloading one saves a few
   bytes, and jit's donation pairs buffers with outputs by shape, so a host
@@ -111,9 +116,9 @@ def plan_offload(params: Any, *, offload_fraction: float = 1.0,
     An ``OffloadPlan``; ``print(plan)`` shows the achieved share.
 
   Example:
-    >>> plan = plan_offload({"a": jnp.zeros(30), "b": jnp.zeros(10)}, offload_fraction=0.5)
+    >>> plan = plan_offload({"a": jnp.zeros(30), "b": jnp.zeros(10)}, offload_fraction=0.3)
     >>> plan.fraction
-    0.75
+    0.25
   """
   fraction = check_fraction(offload_fraction)
   path_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
@@ -123,11 +128,7 @@ def plan_offload(params: Any, *, offload_fraction: float = 1.0,
   candidates = [len(leaf.shape) > 0 for _, leaf in path_leaves]
 
   if offload_mask is None:
-    chosen, offloaded = [], 0
-    for size, candidate in zip(sizes, candidates):
-      take = candidate and offloaded < fraction * total
-      chosen.append(take)
-      offloaded += size if take else 0
+    chosen = _nearest_share(sizes, candidates, fraction * total)
   elif callable(offload_mask):
     chosen = [bool(offload_mask(path, leaf)) for path, (_, leaf) in zip(paths, path_leaves)]
   else:
@@ -149,6 +150,21 @@ def plan_offload(params: Any, *, offload_fraction: float = 1.0,
       offloaded_elements=sum(s for s, c in zip(sizes, chosen) if c),
       total_elements=total,
   )
+
+
+def _nearest_share(sizes: list[int], candidates: list[bool], target: float) -> list[bool]:
+  """Which candidate leaves to take so that their sizes sum near ``target`` (see ``plan_offload``)."""
+  order = sorted((i for i, c in enumerate(candidates) if c), key=lambda i: -sizes[i])
+  chosen, taken = [False] * len(sizes), 0
+  for i in order:
+    if taken + sizes[i] <= target:
+      chosen[i], taken = True, taken + sizes[i]
+  left_out = [i for i in order if not chosen[i]]
+  if left_out:
+    smallest = min(left_out, key=lambda i: sizes[i])
+    if taken + sizes[smallest] - target < target - taken or (target > 0 and taken == 0):
+      chosen[smallest] = True
+  return chosen
 
 
 def replicated_like(tree: Any) -> jax.sharding.Sharding | None:
