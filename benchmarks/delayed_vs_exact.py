@@ -7,7 +7,9 @@ Trains the same model on the same text batches: without offload, with every
 leaf on the host kernel (exact), with the kernel's delayed update
 (``optimizer.delayed_update``: step t's gradients are taken at weights that
 lack step t - 1's update), and, for each ``--delay-after N``, delayed after N
-exact updates (``optimizer.delayed_update_after``). Reports each curve's
+exact updates (``optimizer.delayed_update_after``); with ``--predict-weights``
+the delayed runs read predicted weights
+(``optimizer.delayed_update_predict_weights``). Reports each curve's
 largest gap from the no-offload one, per step and as a moving average over
 ``--window`` steps.
 
@@ -64,6 +66,8 @@ def main() -> None:
                       help="also run the delayed update after N exact ones (repeatable)")
   parser.add_argument("--skip", action="append", default=[], choices=["exact", "delayed"],
                       help="leave out the exact or the always-delayed run (repeatable)")
+  parser.add_argument("--predict-weights", action="store_true",
+                      help="run the delayed settings with optimizer.delayed_update_predict_weights")
   parser.add_argument("--stdlib-corpus", metavar="FILE",
                       help="write the Python standard library's sources to FILE and train on it")
   parser.add_argument("overrides", nargs="*", metavar="section.key=value")
@@ -77,6 +81,10 @@ def main() -> None:
   for n in args.delay_after:
     runs[f"host kernel, delayed after {n} exact"] = (
         RUNS["host kernel, delayed"] + [f"optimizer.delayed_update_after={n}"])
+  if args.predict_weights:
+    runs = {name + (", predicted weights" if "delayed" in name else ""):
+            extra + ["optimizer.delayed_update_predict_weights=True"] * ("delayed" in name)
+            for name, extra in runs.items()}
   losses = {name: np.array(train(load_config(args.config, common + extra), log=lambda _: None))
             for name, extra in runs.items()}
   reference = losses["no offload"]

@@ -86,6 +86,9 @@ class OptimizerConfig:
   delayed_update: bool = False
   # With delayed_update: updates applied exactly before the delay begins.
   delayed_update_after: int = 0
+  # With delayed_update: the device reads the weights moved once more by their
+  # latest update, standing in for the update still pending (weight prediction).
+  delayed_update_predict_weights: bool = False
   # With host_kernel: the dtype of the offloaded weights the device reads and
   # of their gradients it sends back. bfloat16 halves the copies; only weights
   # the model multiplies in bfloat16 travel so (see docs/config.md).
@@ -270,6 +273,9 @@ def validate(config: Config) -> tuple[remat.LayerGroup, ...]:
   if o.delayed_update_after and not o.delayed_update:
     raise ConfigError(f"optimizer.delayed_update_after={o.delayed_update_after} counts the exact "
                       f"updates before a delayed_update; set optimizer.delayed_update=True")
+  if o.delayed_update_predict_weights and not o.delayed_update:
+    raise ConfigError("optimizer.delayed_update_predict_weights=True predicts the update a delayed "
+                      "step lacks; set optimizer.delayed_update=True")
   if o.optimizer_cpu_offload and o.optimizer_offload_update_on == "host_kernel":
     if m.params_dtype != "float32":
       raise ConfigError("optimizer_offload_update_on=host_kernel keeps float32 weights on the "

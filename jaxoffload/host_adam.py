@@ -5,8 +5,9 @@ XLA's host computation (``compute_on('device_host')``) runs on one core
 pinned buffers at 5.2 G params/s there (FACTS.md). This module is that kernel:
 ``adamw_update`` applies one AdamW step to float32 arrays in place, with
 optax.adamw's arithmetic, using every core numba is allowed; it also takes
-bfloat16 gradients and writes a bfloat16 copy of the new weights, for a device
-that reads and sends half the bytes.
+bfloat16 gradients and writes a copy of the new weights (bfloat16, for a
+device that reads and sends half the bytes, or a delayed update's predicted
+weights).
 
 It works on numpy arrays. ``writable_view`` gives one over the memory of a
 single-shard JAX array in host memory, so the kernel can update JAX's pinned
@@ -53,8 +54,9 @@ def _kernel():
     return np.uint16(np.uint32(bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)
 
   @numba.njit(parallel=True, cache=True)
-  def step(param, out, grad, grad_bf16, copy_bf16, mu, nu, grad_scale, lr, b1, b2,
-           one_minus_b1, one_minus_b2, eps, weight_decay, bias1, bias2, grad_is_bf16, write_copy):
+  def step(param, out, grad, grad_bf16, copy_bf16, copy_f32, mu, nu, grad_scale, lr, b1, b2,
+           one_minus_b1, one_minus_b2, eps, weight_decay, bias1, bias2, grad_is_bf16, copy_kind,
+           predict):
     # Element by element, as optax.adamw: moments, bias correction, decoupled
     # weight decay, learning rate. Scalars are float32, so is the arithmetic.
     # bfloat16 arrays come as their uint16 bits.
@@ -67,8 +69,13 @@ def _kernel():
       update = (m / bias1) / (np.float32(math.sqrt(v / bias2)) + eps) + weight_decay * param[i]
       new = param[i] - lr * update
       out[i] = new
-      if write_copy:
-        copy_bf16[i] = round_to_bfloat16(new)
+      # The copy the device reads: the new weights, or with predict the
+      # weights one more such update ahead.
+      seen = new - lr * update if predict else new
+      if copy_kind == 1:
+        copy_bf16[i] = round_to_bfloat16(seen)
+      elif copy_kind == 2:
+        copy_f32[i] = seen
 
   return step
 
@@ -76,7 +83,8 @@ def _kernel():
 def adamw_update(param: np.ndarray, grad: np.ndarray, mu: np.ndarray, nu: np.ndarray, *,
                  learning_rate: float, count: int, b1: float = 0.9, b2: float = 0.999,
                  eps: float = 1e-8, weight_decay: float = 1e-4, grad_scale: float = 1.0,
-                 out: np.ndarray | None = None, copy: np.ndarray | None = None) -> None:
+                 out: np.ndarray | None = None, copy: np.ndarray | None = None,
+                 predict: bool = False) -> None:
   """One AdamW step on float32 arrays, in place, on every core numba may use.
 
   Args:
@@ -88,8 +96,11 @@ def adamw_update(param: np.ndarray, grad: np.ndarray, mu: np.ndarray, nu: np.nda
     b1, b2, eps, weight_decay: as ``optax.adamw``.
     grad_scale: multiplies the gradient first (global-norm clipping's factor).
     out: where the new parameters go; None: into ``param``.
-    copy: a bfloat16 array that also receives the new parameters, rounded to
-      nearest even as XLA's conversion does.
+    copy: a bfloat16 or float32 array that also receives the new parameters
+      (bfloat16 rounded to nearest even, as XLA's conversion does).
+    predict: write into ``copy`` the parameters one more such update ahead
+      (``2 * new - param``): the weight prediction of a delayed update, whose
+      next gradient is taken before this update reaches the device.
 
   Raises:
     ValueError: naming the array that is of a wrong dtype, not contiguous or
@@ -99,7 +110,7 @@ def adamw_update(param: np.ndarray, grad: np.ndarray, mu: np.ndarray, nu: np.nda
     >>> adamw_update(w, g, m, v, learning_rate=3e-4, count=1)
   """
   out = param if out is None else out
-  allowed = {"grad": (np.float32, ml_dtypes.bfloat16), "copy": (ml_dtypes.bfloat16,)}
+  allowed = {"grad": (np.float32, ml_dtypes.bfloat16), "copy": (np.float32, ml_dtypes.bfloat16)}
   arrays = {"param": param, "grad": grad, "mu": mu, "nu": nu, "out": out, "copy": copy}
   for name, array in arrays.items():
     if array is None:
@@ -114,21 +125,25 @@ def adamw_update(param: np.ndarray, grad: np.ndarray, mu: np.ndarray, nu: np.nda
       raise ValueError(f"{name} has shape {array.shape}, param has {param.shape}")
   if count < 1:
     raise ValueError(f"count must be at least 1 (the first step is 1), got {count}")
+  if predict and copy is None:
+    raise ValueError("predict=True writes the predicted parameters into copy; pass a copy")
   f32 = np.float32
   grad_is_bf16 = grad.dtype == ml_dtypes.bfloat16
+  copy_kind = 0 if copy is None else 1 if copy.dtype == ml_dtypes.bfloat16 else 2
   unused_bits = np.zeros(1, np.uint16)
   unused_f32 = np.zeros(1, np.float32)
   bits = lambda a: a.reshape(-1).view(np.uint16)
   _kernel()(param.reshape(-1), out.reshape(-1),
             unused_f32 if grad_is_bf16 else grad.reshape(-1),
             bits(grad) if grad_is_bf16 else unused_bits,
-            unused_bits if copy is None else bits(copy),
+            bits(copy) if copy_kind == 1 else unused_bits,
+            copy.reshape(-1) if copy_kind == 2 else unused_f32,
             mu.reshape(-1), nu.reshape(-1),
             # optax takes 1 - b1 in Python's float64 and rounds it once: 0.1, not
             # float32(1) - float32(0.9) = 0.100000024.
             f32(grad_scale), f32(learning_rate), f32(b1), f32(b2), f32(1 - b1), f32(1 - b2),
             f32(eps), f32(weight_decay), f32(1 - b1**count), f32(1 - b2**count), grad_is_bf16,
-            copy is not None)
+            copy_kind, predict)
 
 
 def writable_view(array: jax.Array) -> np.ndarray:

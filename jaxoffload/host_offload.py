@@ -15,6 +15,11 @@ delayed). The weights alternate between two buffers, one read by the device
 while the host writes the other. ``delay_after`` keeps the first
 updates exact: early in training, where gradients change fastest, a stale one
 can overshoot (on a 1.1B model a delay from the first update spiked the loss).
+``predict_weights`` (weight prediction, as in PipeMare and SpecTrain) lets the
+device read, instead of the weights that lack one update, those weights moved
+by their latest update once more (``2 * w_t - w_(t-1)``): Adam's consecutive
+updates point nearly the same way, so that stands in for the update still
+pending. The host keeps the true weights; the device reads a copy.
 
 With ``device_dtypes`` bfloat16 for a leaf, the device reads a bfloat16 copy
 of its weights that the kernel writes beside the float32 ones, and sends its
@@ -108,6 +113,9 @@ class HostAdamW:
       work overlaps the next device step (see the module's docstring).
     delay_after: with ``delayed``, how many updates are applied exactly
       (at once) before the delay begins.
+    predict_weights: with ``delayed``, the device reads the weights
+      extrapolated by their latest update (see the module's docstring); costs
+      one more copy of the weights in the device dtype, in pinned memory.
     device_dtypes: per leaf, the dtype the device reads its weights in and
       sends its gradient in: float32 (the default) or bfloat16 (see the
       module's docstring).
@@ -119,10 +127,13 @@ class HostAdamW:
 
   def __init__(self, params: Sequence[jax.Array], *, learning_rate: Schedule,
                b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-4,
-               delayed: bool = False, delay_after: int = 0,
+               delayed: bool = False, delay_after: int = 0, predict_weights: bool = False,
                device_dtypes: Optional[Sequence] = None):
     if not isinstance(delay_after, int) or delay_after < 0:
       raise ValueError(f"delay_after must be an int >= 0, got {delay_after!r}")
+    if predict_weights and not delayed:
+      raise ValueError("predict_weights=True predicts the update a delayed step lacks; "
+                       "it needs delayed=True")
     device_dtypes = [jnp.float32] * len(params) if device_dtypes is None else device_dtypes
     if len(device_dtypes) != len(params):
       raise ValueError(f"device_dtypes has {len(device_dtypes)} entries for {len(params)} leaves")
@@ -139,6 +150,7 @@ class HostAdamW:
     self._hyper = dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
     self.delayed = delayed
     self.delay_after = delay_after
+    self.predict_weights = predict_weights
     self._place(params)
     self._mu = [[np.zeros_like(v) for v in views[0]] for views in self._weight_views]
     self._nu = [[np.zeros_like(v) for v in views[0]] for views in self._weight_views]
@@ -149,12 +161,13 @@ class HostAdamW:
     """Takes ``weights`` (arrays no one else holds) as the float32 weights, with their copies."""
     buffers = 2 if self.delayed else 1  # What the device reads: one read, one written.
     # Per leaf: its float32 weights (two when the device reads them and updates
-    # are delayed, else updated in place) and its bfloat16 copies, if any.
+    # are delayed, else updated in place) and the copies the device reads
+    # instead, if any (bfloat16, or predicted weights).
     self._weights, self._copies = [], []
     for w, dtype in zip(weights, self._device_dtypes):
-      if dtype == jnp.bfloat16:
+      if dtype == jnp.bfloat16 or self.predict_weights:
         self._weights.append([w])
-        self._copies.append([_copy(w, jnp.bfloat16) for _ in range(buffers)])
+        self._copies.append([_copy(w, dtype) for _ in range(buffers)])
       else:
         self._weights.append([w] + [_copy(w) for _ in range(buffers - 1)])
         self._copies.append([])
@@ -170,6 +183,7 @@ class HostAdamW:
             f"their weights and Adam moments in host memory, {host_adam.max_threads()} threads, "
             + (f"updates one step delayed after {self.delay_after} exact ones"
                if self.delayed else "exact updates")
+            + (", the device reading predicted weights" if self.predict_weights else "")
             + (f", {halved} leaves sent in bfloat16" if halved else ""))
 
   @property
@@ -215,7 +229,7 @@ class HostAdamW:
     if held is not None:
       # The other buffer was last read by the step before the one just
       # dispatched, which finished before its gradients (waited for in _apply).
-      self._apply(*held, into=1 - self._current)
+      self._apply(*held, into=1 - self._current, predict=self.predict_weights)
 
   def finish(self) -> None:
     """Applies the held gradients, if any, so that ``params`` has every update."""
@@ -235,6 +249,9 @@ class HostAdamW:
     # these float32 weights in place, ordered after no device work.
     state = {"count": np.array(self.count, np.int64),
              "params": jax.block_until_ready([_copy(p) for p in self.weights]),
+             # Predicted weights cannot be made again from the weights.
+             **({"device_params": jax.block_until_ready([_copy(p) for p in self.params])}
+                if self.predict_weights else {}),
              "mu": [_gather(shards, p) for shards, p in zip(self._mu, self.weights)],
              "nu": [_gather(shards, p) for shards, p in zip(self._nu, self.weights)]}
     if self._held is not None:
@@ -246,6 +263,8 @@ class HostAdamW:
     like = lambda p, dtype=jnp.float32: jax.ShapeDtypeStruct(p.shape, dtype, sharding=p.sharding)
     state = {"count": np.array(0, np.int64), "params": [like(p) for p in self.weights],
              "mu": [like(p) for p in self.weights], "nu": [like(p) for p in self.weights]}
+    if self.predict_weights:
+      state["device_params"] = [like(p, d) for p, d in zip(self.weights, self._device_dtypes)]
     if self.delayed:
       state["held_grads"] = [like(p, d) for p, d in zip(self.weights, self._device_dtypes)]
       state["held_scale"] = jax.ShapeDtypeStruct((), jnp.float32)
@@ -255,8 +274,11 @@ class HostAdamW:
     """Continues from a state ``checkpoint`` made (restored into ``checkpoint_target``)."""
     # Copies the kernel may write: XLA's own buffers, never read into numpy.
     self._place([_copy(p) for p in state["params"]])
-    for saved, moments in ((state["mu"], self._mu), (state["nu"], self._nu)):
-      for array, shards in zip(saved, moments):
+    saved_views = [(state["mu"], self._mu), (state["nu"], self._nu)]
+    if "device_params" in state:
+      saved_views.append((state["device_params"], [c[0] for c in self._copy_views]))
+    for saved, views in saved_views:
+      for array, shards in zip(saved, views):
         for shard, values in zip(shards, _sorted_shards(array)):
           shard[...] = np.asarray(values.data)
     self.count = int(state["count"])
@@ -285,8 +307,10 @@ class HostAdamW:
       self._rates = self._schedule_table(count)
     return float(self._rates[count - self._rates_start])
 
-  def _apply(self, grads: Sequence[jax.Array], grad_scale, into: int) -> None:
-    """Applies ``grads`` to the current weights, writing the buffers the device reads as ``into``."""
+  def _apply(self, grads: Sequence[jax.Array], grad_scale, into: int,
+             predict: bool = False) -> None:
+    """Applies ``grads`` to the current weights, writing the buffers the device reads as ``into``
+    (with ``predict``, the weights one more such update ahead)."""
     jax.block_until_ready((grads, grad_scale))
     scale = _read_scalar(grad_scale)
     self.count += 1
@@ -298,5 +322,6 @@ class HostAdamW:
         host_adam.adamw_update(source[shard], grad_view, self._mu[leaf][shard],
                                self._nu[leaf][shard], learning_rate=learning_rate,
                                count=self.count, grad_scale=scale, out=target[shard],
-                               copy=copies[into][shard] if copies else None, **self._hyper)
+                               copy=copies[into][shard] if copies else None, predict=predict,
+                               **self._hyper)
     self._current = into

@@ -143,6 +143,9 @@ def test_every_shipped_config_loads(path):
     (["optimizer.delayed_update_after=40"],
      "optimizer.delayed_update_after=40 counts the exact updates before a delayed_update; set "
      "optimizer.delayed_update=True"),
+    (["optimizer.delayed_update_predict_weights=True"],
+     "optimizer.delayed_update_predict_weights=True predicts the update a delayed step lacks; "
+     "set optimizer.delayed_update=True"),
     (["optimizer.delayed_update_after=-1", "optimizer.delayed_update=True",
       "optimizer.optimizer_offload_update_on=host_kernel"],
      "optimizer.delayed_update_after must be >= 0, got -1"),

@@ -133,6 +133,25 @@ def test_bfloat16_gradients_in_and_a_rounded_copy_out(problem):
   assert np.array_equal(np.isnan(copy), np.isnan(xla)) and np.isnan(copy).any()
   numbers = ~np.isnan(xla)
   np.testing.assert_array_equal(copy.view(np.uint16)[numbers], xla.view(np.uint16)[numbers])
-  with pytest.raises(ValueError, match="copy must be bfloat16, got float32"):
+  with pytest.raises(ValueError, match="copy must be float32 or bfloat16, got float16"):
     host_adam.adamw_update(got, grads[0], moments[2], moments[3], learning_rate=0.0, count=1,
-                           copy=np.empty_like(param))
+                           copy=np.empty(param.shape, np.float16))
+
+
+def test_a_predicting_copy_holds_the_weights_one_more_update_ahead(problem):
+  param, grads = problem
+  old = param.copy()
+  plain, moments = np.empty_like(param), [np.zeros_like(param) for _ in range(2)]
+  host_adam.adamw_update(param, grads[0], *moments, learning_rate=1e-2, count=1, copy=plain)
+  np.testing.assert_array_equal(plain, param)  # Without predict, the new weights.
+  predicted, moments = np.empty_like(param), [np.zeros_like(param) for _ in range(2)]
+  new = old.copy()
+  host_adam.adamw_update(new, grads[0], *moments, learning_rate=1e-2, count=1, copy=predicted,
+                         predict=True)
+  np.testing.assert_array_equal(new, param)  # The weights themselves are not predicted.
+  want = 2 * new.astype(np.float64) - old
+  ulp = np.spacing(np.float32(np.abs(want).max()))
+  np.testing.assert_allclose(predicted, want, rtol=0, atol=2 * ulp)  # Rounded twice in float32.
+  assert np.abs(predicted - new).max() > 1e-3
+  with pytest.raises(ValueError, match="predict=True writes the predicted parameters into copy"):
+    host_adam.adamw_update(new, grads[0], *moments, learning_rate=1e-2, count=2, predict=True)

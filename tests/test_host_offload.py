@@ -41,28 +41,34 @@ def device_step(host_weights, batch):
   return [to_host(g) for g in grads], scale
 
 
-def optax_reference(weights, batches, *, delay, delay_after=0, device_dtypes=None):
+def optax_reference(weights, batches, *, delay, delay_after=0, device_dtypes=None,
+                    predict=False):
   """optax's clipped AdamW; gradients taken ``delay`` updates late once ``delay_after``
-  updates are applied, at the weights cast to ``device_dtypes``."""
+  updates are applied, at the weights cast to ``device_dtypes``; with ``predict``, at
+  ``2 * w[t - 1] - w[t - 2]`` once the update that made w[t - 1] was itself a delayed one."""
   opt = optax.chain(optax.clip_by_global_norm(CLIP), optax.adamw(schedule, **HYPER))
   state, history = opt.init(weights), [weights]
   cast = lambda ws: [w.astype(d) for w, d in zip(ws, device_dtypes or [jnp.float32] * len(ws))]
   for t, batch in enumerate(batches):
     late = delay if t > delay_after else 0
-    grads = jax.grad(loss_fn)(cast(history[max(t - late, 0)]), batch)
+    point = history[max(t - late, 0)]
+    if predict and t >= delay_after + 2:
+      point = [2 * a - b for a, b in zip(history[t - 1], history[t - 2])]
+    grads = jax.grad(loss_fn)(cast(point), batch)
     grads = [g.astype(jnp.float32) for g in grads]
     updates, state = opt.update(grads, state, history[-1])
     history.append(optax.apply_updates(history[-1], updates))
   return history[-1]
 
 
-def host_run(weights, batches, *, delayed, delay_after=0, shardings=None, device_dtypes=None):
+def host_run(weights, batches, *, delayed, delay_after=0, shardings=None, device_dtypes=None,
+             predict_weights=False):
   one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   shardings = shardings or [one_device] * len(weights)
   host = HostAdamW([jax.device_put(np.array(w), s.with_memory_kind("pinned_host"))
                     for w, s in zip(weights, shardings)],
                    learning_rate=schedule, delayed=delayed, delay_after=delay_after,
-                   device_dtypes=device_dtypes, **HYPER)
+                   predict_weights=predict_weights, device_dtypes=device_dtypes, **HYPER)
   for batch in batches:
     grads, scale = device_step(host.params, batch)
     host.update(grads, scale)
@@ -88,6 +94,27 @@ def test_delay_begins_after_the_exact_updates_asked_for():
   # Neither the exact run nor one delayed from the start.
   assert max_rel_diff(got, optax_reference(weights, batches, delay=0)) > 1e-4
   assert max_rel_diff(got, optax_reference(weights, batches, delay=1)) > 1e-4
+
+
+@pytest.mark.parametrize("delay_after", [0, 2])
+@pytest.mark.parametrize("device_dtypes", [None, [jnp.bfloat16, jnp.float32]],
+                         ids=["float32", "bfloat16"])
+def test_predicted_weights_equal_the_extrapolated_reference(delay_after, device_dtypes):
+  weights, batches = problem()
+  got = host_run(weights, batches, delayed=True, delay_after=delay_after,
+                 device_dtypes=device_dtypes, predict_weights=True)
+  want = optax_reference(weights, batches, delay=1, delay_after=delay_after,
+                         device_dtypes=device_dtypes, predict=True)
+  assert max_rel_diff(got, want) <= 1e-5
+  # Not the plain delayed update: the prediction changes the gradients.
+  plain = optax_reference(weights, batches, delay=1, delay_after=delay_after,
+                          device_dtypes=device_dtypes)
+  assert max_rel_diff(got, plain) > 1e-4
+
+
+def test_predicted_weights_need_a_delayed_update():
+  with pytest.raises(ValueError, match="predict_weights=True .* needs delayed=True"):
+    HostAdamW([to_host(jnp.ones(4))], learning_rate=1e-3, predict_weights=True)
 
 
 @pytest.mark.parametrize("delay_after", [-1, 1.5])
@@ -137,17 +164,18 @@ def test_non_float32_weights_are_refused():
 
 
 @pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (the CPU backend has 8 in CI)")
-@pytest.mark.parametrize("delayed, delay_after, device_dtypes", [
-    (False, 0, None), (True, 0, None), (True, 0, [jnp.bfloat16, jnp.float32]), (True, 3, None)],
-    ids=["exact", "delayed", "delayed-bfloat16", "delayed-after-3"])
-def test_a_loaded_checkpoint_continues_exactly(delayed, delay_after, device_dtypes):
+@pytest.mark.parametrize("delayed, delay_after, device_dtypes, predict", [
+    (False, 0, None, False), (True, 0, None, False), (True, 0, [jnp.bfloat16, jnp.float32], False),
+    (True, 3, None, False), (True, 0, [jnp.bfloat16, jnp.float32], True)],
+    ids=["exact", "delayed", "delayed-bfloat16", "delayed-after-3", "predicted-bfloat16"])
+def test_a_loaded_checkpoint_continues_exactly(delayed, delay_after, device_dtypes, predict):
   weights, batches = problem()
   mesh = jax.make_mesh((4,), ("x",), devices=jax.devices()[:4])
   pinned = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x", None),
                                       memory_kind="pinned_host")
   make = lambda: HostAdamW([jax.device_put(np.array(w), pinned) for w in weights],
                            learning_rate=schedule, delayed=delayed, delay_after=delay_after,
-                           device_dtypes=device_dtypes, **HYPER)
+                           predict_weights=predict, device_dtypes=device_dtypes, **HYPER)
 
   def steps(host, batches):
     for batch in batches:

@@ -132,8 +132,9 @@ HOST_KERNEL = ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offl
     HOST_KERNEL, HOST_KERNEL + ["optimizer.delayed_update=True"],
     HOST_KERNEL + ["optimizer.delayed_update=True", "optimizer.offload_transfer_dtype=bfloat16",
                    "model.dtype=bfloat16"],
+    HOST_KERNEL + ["optimizer.delayed_update=True", "optimizer.delayed_update_predict_weights=True"],
 ], ids=["plain", "optimizer-offload", "host-kernel", "host-kernel-delayed",
-        "host-kernel-delayed-bfloat16"])
+        "host-kernel-delayed-bfloat16", "host-kernel-delayed-predicted"])
 def test_resume_continues_exactly(tmp_path, offload):
   quiet = lambda _: None
   whole = train(load_config(None, ["train.train_iters=10", *offload]), log=quiet)
