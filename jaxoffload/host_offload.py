@@ -114,8 +114,9 @@ class HostAdamW:
     delay_after: with ``delayed``, how many updates are applied exactly
       (at once) before the delay begins.
     predict_weights: with ``delayed``, the device reads the weights
-      extrapolated by their latest update (see the module's docstring); costs
-      one more copy of the weights in the device dtype, in pinned memory.
+      extrapolated by their latest update (see the module's docstring). Leaves
+      the device reads in float32 then take one more float32 copy of pinned
+      memory; bfloat16 ones have their copies already.
     device_dtypes: per leaf, the dtype the device reads its weights in and
       sends its gradient in: float32 (the default) or bfloat16 (see the
       module's docstring).
