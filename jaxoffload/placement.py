@@ -153,7 +153,7 @@ def plan_offload(params: Any, *, offload_fraction: float = 1.0,
 
 
 def _nearest_share(sizes: list[int], candidates: list[bool], target: float) -> list[bool]:
-  """Which candidate leaves to take so that their sizes sum near ``target`` (see ``plan_offload``)."""
+  """The candidate leaves to take so that their sizes sum near ``target`` (see plan_offload)."""
   order = sorted((i for i, c in enumerate(candidates) if c), key=lambda i: -sizes[i])
   chosen, taken = [False] * len(sizes), 0
   for i in order:
