@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import jax
@@ -82,6 +83,9 @@ def child(args) -> dict:
   # Lines of the compiled program that touch host memory: 0 would mean XLA
   # dropped the round trip and kept the moments on the device.
   program = step.lower(params, state, global_batch(config, 0, batch_sharding)).compile().as_text()
+  if args.dump:
+    with open(f"{args.dump}/{args.setting}.hlo.txt", "w") as f:
+      f.write(program)
   host_lines = sum("S(5)" in line for line in program.splitlines())
   losses, index = [], iter(range(10**9))
 
@@ -104,12 +108,18 @@ def main() -> None:
   parser.add_argument("--steps", type=int, default=10)
   parser.add_argument("--fractions", default="0.25,0.5,1.0")
   parser.add_argument("--out", default="docs/benchmarks/deferred_writeback")
+  parser.add_argument("--dump", metavar="DIR",
+                      help="also write each setting's compiled program to DIR (to see where "
+                           "XLA placed the copies)")
   parser.add_argument("--child", dest="setting", help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.setting:
     print(json.dumps(child(args)))
     return
-  common = ["--steps", str(args.steps)] + (["--config", args.config] if args.config else [])
+  common = (["--steps", str(args.steps)] + (["--config", args.config] if args.config else [])
+            + (["--dump", args.dump] if args.dump else []))
+  if args.dump:
+    os.makedirs(args.dump, exist_ok=True)
   settings = ["baseline"] + args.fractions.split(",")
   results = run_children(__file__, [[s] for s in settings], common)
   base = results[0]
