@@ -22,6 +22,7 @@ the library: a step toward the exact targets of "hide the offload cost".
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -87,7 +88,7 @@ def child(args) -> dict:
     with open(f"{args.dump}/{args.setting}.hlo.txt", "w") as f:
       f.write(program)
   host_lines = sum("S(5)" in line for line in program.splitlines())
-  losses, index = [], iter(range(10**9))
+  losses, index = [], itertools.count()
 
   def one_step():
     nonlocal params, state
