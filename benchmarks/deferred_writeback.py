@@ -40,9 +40,11 @@ from jaxoffload.placement import plan_offload
 from jaxoffload.train import build, global_batch, llama_config, optimizer, validate
 
 
-def deferred_step(model: Llama, opt: optax.GradientTransformation, offloaded: list[bool]):
+def deferred_step(model: Llama, opt: optax.GradientTransformation, offloaded: list[bool],
+                  ordered: bool = True):
   """A train step whose offloaded Adam moments leave for the host at its start and come
-  back after its backward pass (``offloaded``: one bool per parameter leaf)."""
+  back after its backward pass (``offloaded``: one bool per parameter leaf; ``ordered=False``
+  lets XLA's scheduler place the copy back)."""
 
   def moments(state):
     adam = state[1][0]  # optax.chain(clip_by_global_norm, adamw): adamw's ScaleByAdamState.
@@ -61,7 +63,8 @@ def deferred_step(model: Llama, opt: optax.GradientTransformation, offloaded: li
     loss, grads = jax.value_and_grad(
         lambda p: next_token_loss(model.apply({"params": p}, tokens), tokens))(params)
     # Back only once the gradients exist, so not at the forward pass's peak.
-    on_host, grads = jax.lax.optimization_barrier((on_host, grads))
+    if ordered:
+      on_host, grads = jax.lax.optimization_barrier((on_host, grads))
     state = with_moments(state, *(move(m, to_device) for m in on_host))
     updates, state = opt.update(grads, state, params)
     return optax.apply_updates(params, updates), state, loss
@@ -72,14 +75,15 @@ def deferred_step(model: Llama, opt: optax.GradientTransformation, offloaded: li
 def child(args) -> dict:
   config = load_config(args.config, [f"train.train_iters={args.steps + 1}"])
   params, state, baseline_step, batch_sharding, _ = build(config)
-  fraction = None if args.setting == "baseline" else float(args.setting)
-  if fraction is None:
+  if args.setting == "baseline":
     step = baseline_step
   else:
     model = Llama(llama_config(config), validate(config))
-    offloaded = list(plan_offload(params, offload_fraction=fraction).offloaded)
+    fraction, _, order = args.setting.partition(":")
+    offloaded = list(plan_offload(params, offload_fraction=float(fraction)).offloaded)
     shardings = jax.tree.map(lambda x: x.sharding, (params, state))
-    step = jax.jit(deferred_step(model, optimizer(config), offloaded), donate_argnums=(0, 1),
+    step = jax.jit(deferred_step(model, optimizer(config), offloaded, ordered=order != "unordered"),
+                   donate_argnums=(0, 1),
                    out_shardings=(*shardings, None))
   # Lines of the compiled program that touch host memory: 0 would mean XLA
   # dropped the round trip and kept the moments on the device.
@@ -109,6 +113,9 @@ def main() -> None:
   parser.add_argument("--steps", type=int, default=10)
   parser.add_argument("--fractions", default="0.25,0.5,1.0")
   parser.add_argument("--out", default="docs/benchmarks/deferred_writeback")
+  parser.add_argument("--unordered", action="store_true",
+                      help="also run each fraction with the copy back left to XLA's scheduler "
+                           "(setting FRACTION:unordered)")
   parser.add_argument("--dump", metavar="DIR",
                       help="also write each setting's compiled program to DIR (to see where "
                            "XLA placed the copies)")
@@ -121,7 +128,9 @@ def main() -> None:
             + (["--dump", args.dump] if args.dump else []))
   if args.dump:
     os.makedirs(args.dump, exist_ok=True)
-  settings = ["baseline"] + args.fractions.split(",")
+  fractions = args.fractions.split(",")
+  settings = ["baseline"] + fractions + ([f + ":unordered" for f in fractions]
+                                         if args.unordered else [])
   results = run_children(__file__, [[s] for s in settings], common)
   base = results[0]
   meta = metadata(sys.argv)
