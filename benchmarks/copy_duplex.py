@@ -23,24 +23,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 
-from common import median, metadata, write_report
+from common import median, metadata, time_steps, write_report
 from jaxoffload._compat import PINNED_HOST, to_device, to_host
-
-
-def timed(fn, repeats: int) -> float:
-  """Median seconds of ``fn()`` (waited for) over ``repeats`` runs after one warm-up."""
-  jax.block_until_ready(fn())
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - start)
-  return median(times)
 
 
 def main() -> None:
@@ -64,17 +52,20 @@ def main() -> None:
   copy_in = jax.jit(to_device)
   copy_out = jax.jit(to_host)
   copy_both = jax.jit(lambda h, d: (to_device(h), to_host(d)))
+
+  def timed(copies) -> float:
+    return median(time_steps(copies, args.repeats))
+
   if args.dump:
     with open(args.dump, "w") as f:
       f.write(copy_both.lower(on_host, on_device).compile().as_text())
   rows = {
-      "in": (timed(lambda: copy_in(on_host), args.repeats), nbytes),
-      "out": (timed(lambda: copy_out(on_device), args.repeats), nbytes),
-      "both, one program": (timed(lambda: copy_both(on_host, on_device), args.repeats),
-                            2 * nbytes),
+      "in": (timed(lambda: copy_in(on_host)), nbytes),
+      "out": (timed(lambda: copy_out(on_device)), nbytes),
+      "both, one program": (timed(lambda: copy_both(on_host, on_device)), 2 * nbytes),
       "both, device_put": (timed(lambda: (jax.device_put(on_host, device_sharding),
-                                          jax.device_put(on_device, host_sharding)),
-                                 args.repeats), 2 * nbytes),
+                                          jax.device_put(on_device, host_sharding))),
+                           2 * nbytes),
   }
   # The copies must have moved the values, or the times mean nothing.
   back, out = copy_both(on_host, on_device)

@@ -10,13 +10,16 @@ Global-norm clipping keeps the update itself after the backward pass, but the
 copy out need not end the step: here a step ends with the updated moments
 still on the device, and the next step starts by copying them to host memory,
 which XLA may overlap with its forward pass, and brings them back once its
-gradients exist. The moments then sit in device memory between steps, but not
-at the peak (the end of the forward pass) if the copy out finishes first.
+gradients exist. The hope was that the moments would leave device memory
+before the peak. Measured on the H200 (docs/benchmarks/h200_report.md): the
+copy out hides (1.19x at 0.25 against 1.32x), but the moments enter the program
+in device memory and stay allocated until it ends, so nothing is saved at 0.25;
+not adopted.
 
 Each setting runs in a fresh process and reports its median step time, its
 peak device memory and its losses; the same arithmetic as the baseline (plain
 optax), so the losses should agree to the GPU's run-to-run noise. Not part of
-the library: a step toward the exact targets of "hide the offload cost".
+the library.
 """
 
 from __future__ import annotations
