@@ -14,8 +14,8 @@ for the device placement at fraction 1.0 (measured +0.34 s) and +0.416 s for
 the host kernel (measured +0.39 to +0.42 s), and chose the device.
 ``measure_machine`` times one copy each way and one call of the host kernel;
 ``choose`` prices each placement and picks the cheaper; within ``TIE`` of each
-other, the host kernel, which also takes the weights off the device. XLA's own host computation (``host``) runs
-on one core and is never chosen.
+other, the host kernel, which also takes the weights off the device. XLA's own
+host computation (``host``) runs on one core and is never chosen.
 """
 
 from __future__ import annotations
