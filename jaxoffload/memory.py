@@ -1,13 +1,16 @@
-"""Where the bytes of a pytree of arrays live, and how much device memory a program used."""
+"""Where the bytes of training state live, how many an activation offload moves, and device peaks."""
 
 from __future__ import annotations
 
 import collections
-from typing import Any
+from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
 
 from jaxoffload._compat import memory_kind
+from jaxoffload.model import LlamaConfig
+from jaxoffload.remat import LayerGroup
 
 
 def bytes_by_memory_kind(tree: Any) -> dict[str, int]:
@@ -33,3 +36,27 @@ def peak_device_bytes(device: jax.Device | None = None) -> int | None:
   peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devices]
   peaks = [p for p in peaks if p is not None]
   return max(peaks) if peaks else None
+
+
+def activation_bytes(config: LlamaConfig, batch: int, seq_len: int) -> dict[str, int]:
+  """Bytes of each named activation of one layer, as ``remat.ACTIVATION_NAMES`` lists them.
+
+  Example:
+    >>> per_layer = activation_bytes(config, batch=8, seq_len=2048)
+    >>> offloaded = num_offloaded_layers * per_layer["query_proj"]
+  """
+  tokens_bytes = batch * seq_len * jnp.dtype(config.dtype).itemsize
+  hidden = config.num_attention_heads * config.head_dim
+  kv = config.num_query_groups * config.head_dim
+  widths = {"layer_input": config.hidden_size, "query_proj": hidden, "key_proj": kv,
+            "value_proj": kv, "attention_out": hidden, "mlp_input": config.hidden_size,
+            "mlp_gate": config.intermediate_size, "mlp_up": config.intermediate_size}
+  return {name: tokens_bytes * width for name, width in widths.items()}
+
+
+def offloaded_activation_bytes(config: LlamaConfig, groups: Sequence[LayerGroup], batch: int,
+                               seq_len: int) -> int:
+  """Bytes the groups' placements send to pinned_host in one forward pass of ``batch`` sequences."""
+  per_layer = activation_bytes(config, batch, seq_len)
+  return sum((g.stop - g.start) * per_layer[name] for g in groups if g.placements
+             for name, placement in g.placements.items() if placement == "offload")

@@ -19,35 +19,52 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import Mesh
 
 from jaxoffload import sharding
 from jaxoffload._compat import to_device
-from jaxoffload.remat import LayerGroup
+from jaxoffload.remat import LayerGroup, layer_groups
 
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
-  """Sizes and dtypes of the model; the defaults are a tiny model for tests and CPU runs."""
+  """The model's shape and numerics; the defaults are a tiny model for tests and CPU runs.
+
+  Field names are Megatron-Bridge's where it has one (the trainer's ``model.*``
+  keys are these fields), Hugging Face's otherwise.
+
+  Attributes:
+    vocab_size: tokens in the vocabulary.
+    hidden_size: width of the residual stream.
+    intermediate_size: width of the SwiGLU feed-forward block.
+    num_layers: decoder layers.
+    num_attention_heads: query heads.
+    num_query_groups: key/value heads (grouped-query attention); divides num_attention_heads.
+    seq_length: tokens per training sequence.
+    dtype: compute dtype of activations and matmuls: float32 or bfloat16.
+    params_dtype: dtype the parameters are stored in: float32 or bfloat16.
+    share_embeddings_and_output_weights: the LM head is the token embedding, transposed.
+    rope_theta: base of the rotary position embedding's frequencies.
+    rms_norm_eps: added to the mean square in RMSNorm.
+    attention_implementation: ``jax.nn.dot_product_attention``'s implementation:
+      xla, cudnn, or null for cuDNN's fused kernel on a GPU with 16-bit compute and
+      XLA elsewhere (JAX's own null means XLA, whose backward keeps every layer's
+      score matrix).
+  """
 
   vocab_size: int = 256
   hidden_size: int = 64
   intermediate_size: int = 176
   num_layers: int = 4
-  num_heads: int = 4
-  num_kv_heads: int = 2
-  max_seq_len: int = 64
-  dtype: Any = jnp.float32  # Compute dtype of activations and matmuls.
-  param_dtype: Any = jnp.float32
-  tie_embeddings: bool = False
+  num_attention_heads: int = 4
+  num_query_groups: int = 2
+  seq_length: int = 64
+  dtype: str = "float32"
+  params_dtype: str = "float32"
+  share_embeddings_and_output_weights: bool = False
   rope_theta: float = 10000.0
-  norm_eps: float = 1e-5
-  # jax.nn.dot_product_attention's implementation: "xla", "cudnn", or None for
-  # cuDNN's fused kernel on a GPU with 16-bit compute and XLA otherwise. JAX's
-  # own None means XLA, whose backward keeps every layer's score matrix.
+  rms_norm_eps: float = 1e-5
   attention_implementation: Optional[str] = None
-  # The mesh that activations are sharded over (sharding.LOGICAL_RULES); None
-  # leaves their placement to XLA.
-  mesh: Optional[jax.sharding.Mesh] = None
 
   @property
   def attention(self) -> str:
@@ -59,7 +76,7 @@ class LlamaConfig:
 
   @property
   def head_dim(self) -> int:
-    return self.hidden_size // self.num_heads
+    return self.hidden_size // self.num_attention_heads
 
 
 # RMSNorm's weight: the one parameter the model multiplies in float32 whatever
@@ -82,11 +99,12 @@ class RMSNorm(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
+    c = self.config
     init = nn.with_logical_partitioning(nn.initializers.ones, ("norm",))
-    scale = self.param(NORM_SCALE, init, (x.shape[-1],), self.config.param_dtype)
+    scale = self.param(NORM_SCALE, init, (x.shape[-1],), jnp.dtype(c.params_dtype))
     x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.config.norm_eps)
-    return (normed * scale.astype(jnp.float32)).astype(self.config.dtype)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + c.rms_norm_eps)
+    return (normed * scale.astype(jnp.float32)).astype(c.dtype)
 
 
 def rotary(x: jax.Array, theta: float) -> jax.Array:
@@ -102,75 +120,79 @@ def rotary(x: jax.Array, theta: float) -> jax.Array:
 def _dense(features: int, config: LlamaConfig, name: str,
            logical_axes: tuple[str, str]) -> nn.Dense:
   init = nn.with_logical_partitioning(nn.initializers.normal(0.02), logical_axes)
-  return nn.Dense(features, use_bias=False, dtype=config.dtype, param_dtype=config.param_dtype,
-                  name=name, kernel_init=init)
+  return nn.Dense(features, use_bias=False, dtype=jnp.dtype(config.dtype),
+                  param_dtype=jnp.dtype(config.params_dtype), name=name, kernel_init=init)
 
 
-def _constrain(config: LlamaConfig, x: jax.Array, *feature_axes: Optional[str]) -> jax.Array:
-  """``x`` [batch, length, ...] sharded over ``config.mesh`` by its batch and feature axes.
+def _constrain(mesh: Optional[Mesh], x: jax.Array, *feature_axes: Optional[str]) -> jax.Array:
+  """``x`` [batch, length, ...] sharded over ``mesh`` by its batch and feature axes.
 
   Without these XLA may shard a matmul over its contracting axis and gather
-  the activations instead of the weights: under mesh.fsdp=2 on two H200s that
-  left 81 GiB on each GPU where one GPU alone needed 61.
+  the activations instead of the weights, which costs far more device memory.
   """
-  if config.mesh is None:
+  if mesh is None:
     return x
   return nn.with_logical_constraint(x, ("batch", "length", *feature_axes),
-                                    rules=sharding.LOGICAL_RULES, mesh=config.mesh)
+                                    rules=sharding.LOGICAL_RULES, mesh=mesh)
 
 
 class Attention(nn.Module):
   """Grouped-query causal self-attention through ``jax.nn.dot_product_attention``."""
 
   config: LlamaConfig
+  mesh: Optional[Mesh] = None
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    c = self.config
+    c, mesh = self.config, self.mesh
+
     def heads(name: str, axis: str, count: int) -> jax.Array:
       y = _dense(count * c.head_dim, c, name, ("embed", axis))(x)
-      return _constrain(c, y.reshape(*y.shape[:-1], count, c.head_dim), axis, None)
+      return _constrain(mesh, y.reshape(*y.shape[:-1], count, c.head_dim), axis, None)
 
-    q = heads("query", "heads", c.num_heads)
-    k = heads("key", "kv_heads", c.num_kv_heads)
-    v = heads("value", "kv_heads", c.num_kv_heads)
+    q = heads("query", "heads", c.num_attention_heads)
+    k = heads("key", "kv_heads", c.num_query_groups)
+    v = heads("value", "kv_heads", c.num_query_groups)
     q = checkpoint_name(rotary(q, c.rope_theta), "query_proj")
     k = checkpoint_name(rotary(k, c.rope_theta), "key_proj")
     v = checkpoint_name(v, "value_proj")
     out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=c.attention)
-    out = checkpoint_name(_constrain(c, out, "heads", None), "attention_out")
-    out = out.reshape(*out.shape[:-2], c.num_heads * c.head_dim)
+    out = checkpoint_name(_constrain(mesh, out, "heads", None), "attention_out")
+    out = out.reshape(*out.shape[:-2], c.num_attention_heads * c.head_dim)
     out = _dense(c.hidden_size, c, "out", ("heads", "embed"))(out)
-    return _constrain(c, out, "embed_activation")
+    return _constrain(mesh, out, "embed_activation")
 
 
 class MLP(nn.Module):
   """SwiGLU feed-forward block."""
 
   config: LlamaConfig
+  mesh: Optional[Mesh] = None
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     c = self.config
     hidden = lambda name: _constrain(
-        c, _dense(c.intermediate_size, c, name, ("embed", "mlp"))(x), "mlp")
+        self.mesh, _dense(c.intermediate_size, c, name, ("embed", "mlp"))(x), "mlp")
     gate = checkpoint_name(hidden("gate"), "mlp_gate")
     up = checkpoint_name(hidden("up"), "mlp_up")
     down = _dense(c.hidden_size, c, "down", ("mlp", "embed"))
-    return _constrain(c, down(nn.silu(gate) * up), "embed_activation")
+    return _constrain(self.mesh, down(nn.silu(gate) * up), "embed_activation")
 
 
 class DecoderLayer(nn.Module):
   """One pre-norm decoder layer; its signature suits ``nn.scan`` (carry in, carry out)."""
 
   config: LlamaConfig
+  mesh: Optional[Mesh] = None
 
   @nn.compact
   def __call__(self, x: jax.Array, _: None) -> tuple[jax.Array, None]:
-    x = checkpoint_name(_constrain(self.config, x, "embed_activation"), "layer_input")
-    x = x + Attention(self.config, name="attention")(RMSNorm(self.config, name="attention_norm")(x))
+    c, mesh = self.config, self.mesh
+    x = checkpoint_name(_constrain(mesh, x, "embed_activation"), "layer_input")
+    x = x + Attention(c, mesh, name="attention")(RMSNorm(c, name="attention_norm")(x))
     x = checkpoint_name(x, "mlp_input")
-    x = x + MLP(self.config, name="mlp")(RMSNorm(self.config, name="mlp_norm")(x))
+    x = x + MLP(c, mesh, name="mlp")(RMSNorm(c, name="mlp_norm")(x))
     return x, None
 
 
@@ -180,20 +202,35 @@ def group_name(group: LayerGroup) -> str:
 
 
 class Llama(nn.Module):
-  """The decoder: token embedding, one scanned stack per layer group, final norm, LM head."""
+  """The decoder: token embedding, one scanned stack per layer group, final norm, LM head.
+
+  Attributes:
+    config: sizes and dtypes.
+    groups: the layer groups, each with its activation placement and weights'
+      memory kind (``remat.layer_groups``); None: one group that saves everything.
+    mesh: the mesh activations are sharded over (``sharding.LOGICAL_RULES``);
+      None leaves their placement to XLA.
+
+  Example:
+    >>> model = Llama(LlamaConfig())
+    >>> params = model.init(jax.random.PRNGKey(0), tokens)["params"]
+    >>> logits = model.apply({"params": params}, tokens)  # [batch, length, vocab]
+  """
 
   config: LlamaConfig
-  groups: tuple[LayerGroup, ...]
+  groups: Optional[tuple[LayerGroup, ...]] = None
+  mesh: Optional[Mesh] = None
 
   @nn.compact
   def __call__(self, tokens: jax.Array) -> jax.Array:
     c = self.config
-    embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=c.dtype, param_dtype=c.param_dtype,
+    embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=jnp.dtype(c.dtype),
+                     param_dtype=jnp.dtype(c.params_dtype),
                      embedding_init=nn.with_logical_partitioning(nn.initializers.normal(0.02),
                                                                  ("vocab", "embed")),
                      name="embed")
-    x = _constrain(c, embed(tokens), "embed_activation")
-    for group in self.groups:
+    x = _constrain(self.mesh, embed(tokens), "embed_activation")
+    for group in self.groups or layer_groups(c.num_layers):
       layer = DecoderLayer
       if group.offload_weights:
         # Inside the scan each layer's slice of the host-resident stack comes to
@@ -207,36 +244,13 @@ class Llama(nn.Module):
       stack = nn.scan(layer, variable_axes={"params": 0}, split_rngs={"params": True},
                       length=group.stop - group.start,
                       metadata_params={nn.PARTITION_NAME: "layers"})
-      x, _ = stack(c, name=group_name(group))(x, None)
+      x, _ = stack(c, self.mesh, name=group_name(group))(x, None)
     x = RMSNorm(c, name="final_norm")(x)
-    if c.tie_embeddings:
+    if c.share_embeddings_and_output_weights:
       logits = embed.attend(x)
     else:
       logits = _dense(c.vocab_size, c, "lm_head", ("embed", "vocab"))(x)
-    return _constrain(c, logits, "vocab").astype(jnp.float32)
-
-
-def activation_bytes(config: LlamaConfig, batch: int, seq_len: int) -> dict[str, int]:
-  """Bytes of each named activation of one layer, as ``remat.ACTIVATION_NAMES`` lists them.
-
-  Example:
-    >>> per_layer = activation_bytes(config, batch=8, seq_len=2048)
-    >>> offloaded = num_offloaded_layers * per_layer["query_proj"]
-  """
-  tokens_bytes = batch * seq_len * jnp.dtype(config.dtype).itemsize
-  hidden, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-  widths = {"layer_input": config.hidden_size, "query_proj": hidden, "key_proj": kv,
-            "value_proj": kv, "attention_out": hidden, "mlp_input": config.hidden_size,
-            "mlp_gate": config.intermediate_size, "mlp_up": config.intermediate_size}
-  return {name: tokens_bytes * width for name, width in widths.items()}
-
-
-def offloaded_activation_bytes(config: LlamaConfig, groups: Sequence[LayerGroup], batch: int,
-                               seq_len: int) -> int:
-  """Bytes the groups' placements send to pinned_host in one forward pass of ``batch`` sequences."""
-  per_layer = activation_bytes(config, batch, seq_len)
-  return sum((g.stop - g.start) * per_layer[name] for g in groups if g.placements
-             for name, placement in g.placements.items() if placement == "offload")
+    return _constrain(self.mesh, logits, "vocab").astype(jnp.float32)
 
 
 def _boxed_shapes(model: Llama, tokens: jax.Array) -> Any:

@@ -3,7 +3,11 @@
 Parameters and activations carry logical axis names ("embed", "mlp", "heads",
 ...); ``LOGICAL_RULES`` maps them to the mesh axes ``data``, ``fsdp`` and
 ``tensor``: batch over data and fsdp, weights' embedding axis over fsdp, and
-heads, MLP and vocabulary over tensor.
+heads, MLP and vocabulary over tensor. The residual stream is replicated over
+tensor (Megatron's tensor parallelism without sequence parallelism): sharding
+its hidden axis there too made XLA's partitioner compute wrong row-parallel
+matmuls on a data x fsdp x tensor mesh (``tests/test_model.py`` checks the
+sharded model against one device).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ MESH_AXES = ("data", "fsdp", "tensor")
 LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
     ("batch", ("data", "fsdp")),
     ("length", None),
-    ("embed_activation", "tensor"),
+    ("embed_activation", None),
     ("vocab", "tensor"),
     ("embed", "fsdp"),
     ("heads", "tensor"),

@@ -1,20 +1,30 @@
-"""Test setup: an 8-device CPU platform for sharding tests, and the ``gpu`` marker."""
+"""Test setup: an 8-device CPU platform for sharding tests, a compilation cache, the markers.
 
+``slow`` marks what the fast tier (``pytest -m "not slow"``) leaves out; ``gpu``
+tests skip without a GPU.
+"""
+
+import atexit
 import os
+import shutil
+import tempfile
 
 # Must precede the first jax import: gives the CPU backend 8 devices for mesh tests.
 os.environ["XLA_FLAGS"] = " ".join(
     filter(None, [os.environ.get("XLA_FLAGS"), "--xla_force_host_platform_device_count=8"]))
+# Many tests compile the same tiny programs, in this process and in the ones
+# they start: XLA's persistent cache compiles each once.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxoffload-tests-")
+  atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
 # GPU float32 matmuls default to TF32; parity tests compare against float32 math.
 jax.config.update("jax_default_matmul_precision", "highest")
-
-
-def pytest_configure(config):
-  config.addinivalue_line("markers", "gpu: needs a GPU; skipped elsewhere")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -6,19 +6,19 @@ import sys
 
 import pytest
 
-from jaxoffload import bench
-from jaxoffload.config import load_config
+from jaxoffload.bench import settings
+from jaxoffload.train import load_config
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_default_settings_are_valid_configs_with_the_baseline_first(dtype):
-  settings = bench.default_settings(num_layers=4, bfloat16_compute=dtype == "bfloat16")
-  assert list(settings)[0] == "baseline" and settings["baseline"] == []
+  matrix = settings.default_settings(num_layers=4, bfloat16_compute=dtype == "bfloat16")
+  assert list(matrix)[0] == "baseline" and matrix["baseline"] == []
   assert {"optimizer 0.25 device", "optimizer 1.0 host", "activations 2 layers",
-          "activations 3 layers", "optimizer 0.5 device + activations 3 layers"} <= set(settings)
-  halved = {name for name in settings if "bf16 transfers" in name}
+          "activations 3 layers", "optimizer 0.5 device + activations 3 layers"} <= set(matrix)
+  halved = {name for name in matrix if "bf16 transfers" in name}
   assert len(halved) == (2 if dtype == "bfloat16" else 0)
-  for overrides in settings.values():
+  for overrides in matrix.values():
     load_config(None, [f"model.dtype={dtype}", *overrides])
 
 
@@ -29,7 +29,7 @@ def test_comparison_against_the_baseline():
       dict(common, step_s_median=0.3, peak_device_bytes=600, losses=[3.0, 2.5],
            offloaded_state_bytes=300, offloaded_activation_bytes=50),
   ]
-  bench.compare(results)
+  settings.compare(results)
   assert results[1]["step_ratio"] == pytest.approx(1.5)
   assert results[1]["memory_ratio"] == pytest.approx(0.6)
   assert results[1]["predicted_saving_bytes"] == 350
@@ -44,6 +44,7 @@ def run_bench(*args):
   return done.stdout
 
 
+@pytest.mark.slow
 def test_a_run_on_the_tiny_model_writes_json_table_and_plots(tmp_path):
   out = str(tmp_path / "tiny")
   run_bench("--steps", "3", "--out", out, "--settings", "baseline again,optimizer 0.5 device")

@@ -6,7 +6,8 @@ import re
 import pytest
 
 from jaxoffload import remat
-from jaxoffload.config import ConfigError, load_config, parse_override, validate
+from jaxoffload.train import ConfigError, load_config, rules
+from jaxoffload.train.loading import parse_override
 
 
 def test_yaml_and_overrides_make_typed_values():
@@ -103,9 +104,9 @@ def test_offload_policy_picks_what_offloaded_layers_send_to_host():
   config = load_config("configs/tiny.yaml", ["model.cpu_offloading=True",
                                               "model.cpu_offloading_num_layers=2",
                                               "model.cpu_offloading_policy=residual"])
-  offloaded, rest = validate(config)
+  offloaded, rest = rules.layer_groups(config)
   assert offloaded.placements == remat.offload_preset("residual") and rest.placements is None
-  default = validate(load_config("configs/tiny.yaml", ["model.cpu_offloading=True",
+  default = rules.layer_groups(load_config("configs/tiny.yaml", ["model.cpu_offloading=True",
                                                        "model.cpu_offloading_num_layers=2"]))
   assert default[0].placements == remat.offload_preset(remat.DEFAULT_OFFLOAD_PRESET)
 

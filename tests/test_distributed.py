@@ -10,8 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxoffload.config import ConfigError, load_config
-from jaxoffload.train import train
+from jaxoffload.train import ConfigError, load_config, train
 
 COMMON = ["train.train_iters=5", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2",
           "optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5",
@@ -24,6 +23,7 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(jax.default_backend() != "cpu" or len(jax.devices()) < 8,
                     reason="two CPU processes of 4 devices against this process's 8")
 def test_two_processes_of_four_devices_train_like_one_of_eight(tmp_path):

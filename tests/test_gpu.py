@@ -9,8 +9,8 @@ import pytest
 
 import jaxoffload
 from jaxoffload import remat
-from jaxoffload.model import (Llama, LlamaConfig, activation_bytes, init_params, next_token_loss,
-                              regroup)
+from jaxoffload.memory import activation_bytes
+from jaxoffload.model import Llama, LlamaConfig, init_params, next_token_loss, regroup
 from tests.helpers import max_rel_diff, train
 
 pytestmark = pytest.mark.gpu
@@ -73,7 +73,8 @@ def test_streamed_updates_repeatably_match_whole_leaf_updates(chunk_bytes):
 
 
 BF16_CONFIG = LlamaConfig(vocab_size=512, hidden_size=1024, intermediate_size=2816, num_layers=4,
-                          num_heads=8, num_kv_heads=2, max_seq_len=1024, dtype=jnp.bfloat16)
+                          num_attention_heads=8, num_query_groups=2, seq_length=1024,
+                          dtype="bfloat16")
 SAVED = (remat.LayerGroup(0, 4, remat.SAVE_NAMED),)
 OFFLOADED = (remat.LayerGroup(0, 3, remat.OFFLOAD_ALL), remat.LayerGroup(3, 4, remat.SAVE_NAMED))
 
@@ -88,13 +89,13 @@ def bf16_grad_step(groups, tokens):
 
 def test_default_attention_on_gpu_is_cudnn_fused():
   assert BF16_CONFIG.attention == "cudnn"
-  step, _ = bf16_grad_step(SAVED, jnp.zeros((2, BF16_CONFIG.max_seq_len), jnp.int32))
+  step, _ = bf16_grad_step(SAVED, jnp.zeros((2, BF16_CONFIG.seq_length), jnp.int32))
   assert "cudnn" in step.compile().as_text().lower()
 
 
 def test_offloaded_bf16_gradients_with_cudnn_attention_equal_saved():
   # openxla/xla#46231 gave wrong gradients for scanned layers with offloaded residuals.
-  tokens = jax.random.randint(jax.random.PRNGKey(1), (2, BF16_CONFIG.max_seq_len), 0,
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (2, BF16_CONFIG.seq_length), 0,
                               BF16_CONFIG.vocab_size)
   saved, params = bf16_grad_step(SAVED, tokens)
   offloaded, offloaded_params = bf16_grad_step(OFFLOADED, tokens)
@@ -107,7 +108,7 @@ def test_offloaded_bf16_gradients_with_cudnn_attention_equal_saved():
 
 
 def test_offloaded_activations_leave_device_memory():
-  tokens = jnp.zeros((4, BF16_CONFIG.max_seq_len), jnp.int32)
+  tokens = jnp.zeros((4, BF16_CONFIG.seq_length), jnp.int32)
   temp_bytes = lambda groups: (
       bf16_grad_step(groups, tokens)[0].compile().memory_analysis().temp_size_in_bytes)
   moved = 3 * sum(activation_bytes(BF16_CONFIG, *tokens.shape).values())

@@ -10,8 +10,9 @@ import pytest
 
 from jaxoffload import remat, sharding
 from jaxoffload._compat import to_device, to_host
-from jaxoffload.model import (DecoderLayer, Llama, LlamaConfig, activation_bytes, group_name,
-                              init_params, logical_param_specs, next_token_loss, regroup)
+from jaxoffload.memory import activation_bytes
+from jaxoffload.model import (DecoderLayer, Llama, LlamaConfig, group_name, init_params,
+                              logical_param_specs, next_token_loss, regroup)
 from tests.helpers import max_rel_diff
 
 CONFIG = LlamaConfig()
@@ -84,7 +85,7 @@ def test_regroup_keeps_the_weights():
 
 
 def test_tied_embeddings_have_no_head():
-  config = LlamaConfig(tie_embeddings=True)
+  config = LlamaConfig(share_embeddings_and_output_weights=True)
   params = init_params(Llama(config, SAVE_ALL), jax.random.PRNGKey(0), tokens())
   assert "lm_head" not in params
   logits = Llama(config, SAVE_ALL).apply({"params": params}, tokens())
@@ -124,7 +125,7 @@ def test_sharded_over_a_mesh_matches_one_device(mode, reference):
   params, (want_loss, want_grads) = reference
   groups = SAVE_ALL if mode == "save-all" else MODES[mode]
   mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
-  model = Llama(CONFIG, groups)
+  model = Llama(CONFIG, groups, mesh)
   batch = tokens(1)
   shardings = sharding.logical_shardings(mesh, logical_param_specs(model, batch))
   for group in groups:
@@ -165,7 +166,7 @@ def test_offloaded_weights_are_fetched_again_not_saved_for_the_backward(referenc
 def test_activation_bytes_are_the_named_residuals_of_a_layer(capsys):
   batch, seq = 2, 16
   layer = DecoderLayer(CONFIG)
-  x = jnp.ones((batch, seq, CONFIG.hidden_size), CONFIG.dtype)
+  x = jnp.ones((batch, seq, CONFIG.hidden_size), jnp.dtype(CONFIG.dtype))
   layer_params = layer.init(jax.random.PRNGKey(0), x, None)["params"]
   policy = remat.remat_policy(remat.SAVE_NAMED)
   jax.ad_checkpoint.print_saved_residuals(

@@ -7,25 +7,25 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxoffload import monitor, remat
 from jaxoffload.model import Llama, LlamaConfig, init_params
+from jaxoffload.train import metrics
 
 
-@pytest.mark.parametrize("config", [LlamaConfig(), LlamaConfig(tie_embeddings=True, num_kv_heads=4)])
+@pytest.mark.parametrize("config", [
+    LlamaConfig(), LlamaConfig(share_embeddings_and_output_weights=True, num_query_groups=4)])
 def test_flops_per_token_counts_every_matmul_weight(config):
   tokens = jnp.zeros((1, 16), jnp.int32)
-  params = init_params(Llama(config, remat.layer_groups(config.num_layers)),
-                       jax.random.PRNGKey(0), tokens)
+  params = init_params(Llama(config), jax.random.PRNGKey(0), tokens)
   kernels = sum(x.size for path, x in jax.tree_util.tree_leaves_with_path(params)
                 if "kernel" in jax.tree_util.keystr(path))
-  head = config.vocab_size * config.hidden_size if config.tie_embeddings else 0
-  causal_attention = 6 * config.num_layers * 16 * config.num_heads * config.head_dim
-  assert monitor.flops_per_token(config, 16) == 6 * (kernels + head) + causal_attention
+  head = config.vocab_size * config.hidden_size if config.share_embeddings_and_output_weights else 0
+  causal_attention = 6 * config.num_layers * 16 * config.num_attention_heads * config.head_dim
+  assert metrics.flops_per_token(config, 16) == 6 * (kernels + head) + causal_attention
 
 
 def test_records_carry_mfu_and_memory_and_go_to_jsonl():
   out, lines = io.StringIO(), []
-  meter = monitor.Monitor(total_steps=4, tokens_per_step=1000, flops_per_token=2e9,
+  meter = metrics.Monitor(total_steps=4, tokens_per_step=1000, flops_per_token=2e9,
                           peak_flops=1e13, pinned_host_bytes=3 * 2**30, log=lines.append,
                           log_interval=2, jsonl=out, peak_device_bytes=lambda: 5 * 2**30)
   for step, seconds in enumerate([0.5, 0.4, 0.4, 0.4], start=1):
@@ -42,4 +42,4 @@ def test_records_carry_mfu_and_memory_and_go_to_jsonl():
 
 
 def test_unknown_devices_get_no_mfu():
-  assert monitor.peak_flops(jax.devices("cpu")[0], jnp.bfloat16) is None
+  assert metrics.peak_flops(jax.devices("cpu")[0], jnp.bfloat16) is None

@@ -37,8 +37,8 @@ def flops_per_token(config: LlamaConfig, seq_len: int) -> float:
   Example:
     >>> flops_per_token(LlamaConfig(), seq_len=64)
   """
-  heads = config.num_heads * config.head_dim
-  kv = config.num_kv_heads * config.head_dim
+  heads = config.num_attention_heads * config.head_dim
+  kv = config.num_query_groups * config.head_dim
   per_layer = (config.hidden_size * (heads + 2 * kv) + heads * config.hidden_size
                + 3 * config.hidden_size * config.intermediate_size)
   matmul_weights = config.num_layers * per_layer + config.vocab_size * config.hidden_size

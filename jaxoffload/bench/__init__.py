@@ -1,0 +1,1 @@
+"""The benchmark runner, ``python -m jaxoffload.bench``: every offload setting of a config, priced."""

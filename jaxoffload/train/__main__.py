@@ -1,0 +1,68 @@
+"""Train the Llama model with any combination of offloads: ``python -m jaxoffload.train``.
+
+  python -m jaxoffload.train [--config configs/NAME.yaml] [section.key=value ...]
+
+With no arguments it trains the tiny default model on synthetic tokens, on
+whatever backend JAX finds, CPU included, and prints the loss as it falls.
+
+examples:
+  python -m jaxoffload.train data.dataset=text train.train_iters=200
+  python -m jaxoffload.train --config configs/llama_1b_optimizer_offload.yaml
+  python -m jaxoffload.train --config configs/llama_1b.yaml \\
+      optimizer.optimizer_cpu_offload=True optimizer.optimizer_offload_fraction=0.5 \\
+      model.cpu_offloading=True model.cpu_offloading_num_layers=11 logging.jsonl=steps.jsonl
+
+Every key, its default and the reference's rules: docs/config.md. Configs for
+each offload mode: configs/. What each costs: docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional
+
+import jax
+
+from jaxoffload.train import launch
+from jaxoffload.train.config import ConfigError
+from jaxoffload.train.loading import load_config
+from jaxoffload.train.loop import train
+
+OUT_OF_MEMORY_HINT = (
+    "Offload more: optimizer.optimizer_cpu_offload=True with a larger "
+    "optimizer.optimizer_offload_fraction, or model.cpu_offloading=True with more "
+    "model.cpu_offloading_num_layers (docs/config.md).")
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+  parser = argparse.ArgumentParser(
+      prog="python -m jaxoffload.train", description=__doc__,
+      formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--config",
+                      help="a YAML file of sections (model, optimizer, train, data, logging, "
+                           "mesh, distributed, checkpoint)")
+  parser.add_argument("overrides", nargs="*", metavar="section.key=value")
+  args = parser.parse_args(argv)
+  try:
+    config = load_config(args.config, args.overrides)
+    launch.set_xla_flags(config)
+    launch.start_processes(config)
+    train(config)
+  except ConfigError as error:
+    _exit(f"error: {error}", 2)
+  except FloatingPointError as error:
+    _exit(f"error: {error}", 1)
+  except jax.errors.JaxRuntimeError as error:
+    if "RESOURCE_EXHAUSTED" not in str(error):
+      raise
+    _exit(f"error: out of device memory: {str(error).splitlines()[0]}\n{OUT_OF_MEMORY_HINT}", 1)
+
+
+def _exit(message: str, status: int) -> None:
+  print(message, file=sys.stderr)
+  raise SystemExit(status) from None
+
+
+if __name__ == "__main__":
+  main()

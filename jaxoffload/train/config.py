@@ -1,0 +1,268 @@
+"""The trainer's configuration: typed sections with Megatron-Bridge's key names.
+
+Each section is a frozen dataclass whose ``Attributes`` docstring documents its
+keys; ``docs/config.md`` is generated from these docstrings
+(``python -m jaxoffload.train.reference``). ``jaxoffload.train.loading`` reads
+YAML and overrides into a ``Config``; ``jaxoffload.train.rules`` checks it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from jaxoffload import remat
+from jaxoffload.model import LlamaConfig
+
+
+class ConfigError(ValueError):
+  """A configuration the trainer refuses; the message names the key and what is allowed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig(LlamaConfig):
+  """``model.*``: the model's shape and numerics, and activation and weight offload.
+
+  The shape and numerics are the fields of ``jaxoffload.model.LlamaConfig``;
+  the offload keys follow Megatron-Bridge. Its rules, in its words: activation
+  offload with ``pipeline_model_parallel_size > 1`` ("Currently there is no
+  support for Pipeline parallelism with CPU offloading"), with
+  ``recompute_granularity`` ("CPU offloading does not work when activation
+  recomputation is enabled"), with CUDA graphs ("CUDA graphs not supported with
+  CPU offloading."), with fine-grained offload
+  ("fine_grained_activation_offloading cannot be enabled with cpu_offloading.").
+
+  Attributes:
+    cpu_offloading: activation (and weight) offload, Megatron's master switch.
+    cpu_offloading_num_layers: the first N layers offload; N in [0, num_layers - 1].
+    cpu_offloading_activations: those layers send their named activations to pinned_host.
+    cpu_offloading_weights: those layers' weights live in pinned_host and come to the
+      device layer by layer.
+    cpu_offloading_double_buffering: no JAX setting (XLA's scheduler decides when
+      copies start): True is refused, naming the nearest XLA flag.
+    cpu_offloading_policy: which named activations the offloaded layers send to
+      pinned_host, the rest recomputed: a key of ``jaxoffload.remat.OFFLOAD_PRESETS``
+      (all, qkv, attention, mlp, qkv_mlp, matmuls, residual). A jaxoffload extension;
+      why qkv: [performance](performance.md#activation-offload).
+    recompute_granularity: null, or full to recompute every layer's activations in
+      the backward pass.
+    fine_grained_activation_offloading: Megatron's module-level offload: not
+      implemented (per-name policies cover it); True is refused.
+    pipeline_model_parallel_size: must be 1: no pipeline parallelism; shard with mesh.*.
+    cuda_graph_impl: local or transformer_engine: XLA's GPU command buffers (CUDA
+      graphs) also capture loops and conditionals (set by ``python -m
+      jaxoffload.train`` before JAX starts); none: XLA's defaults.
+  """
+
+  cpu_offloading: bool = False
+  cpu_offloading_num_layers: int = 0
+  cpu_offloading_activations: bool = True
+  cpu_offloading_weights: bool = False
+  cpu_offloading_double_buffering: bool = False
+  cpu_offloading_policy: str = remat.DEFAULT_OFFLOAD_PRESET
+  recompute_granularity: Optional[str] = None
+  fine_grained_activation_offloading: bool = False
+  pipeline_model_parallel_size: int = 1
+  cuda_graph_impl: str = "none"
+
+  def llama(self) -> LlamaConfig:
+    """The model's own config: this section without its offload keys."""
+    return LlamaConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(LlamaConfig)})
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+  """``optimizer.*``: AdamW, its schedule and clipping, and optimizer offload.
+
+  Attributes:
+    lr: peak learning rate.
+    min_lr: final learning rate.
+    lr_warmup_iters: linear warm-up steps from 0.
+    lr_decay_style: constant, linear or cosine decay after the warm-up.
+    adam_beta1: AdamW's b1.
+    adam_beta2: AdamW's b2.
+    adam_eps: AdamW's eps.
+    weight_decay: decoupled weight decay.
+    clip_grad: global-norm gradient clipping (``optax.clip_by_global_norm``).
+    optimizer_cpu_offload: keep the optimizer state of part of the parameters in host
+      memory (``jaxoffload.offload_adamw``, or the host kernel).
+    optimizer_offload_fraction: share of parameter elements whose state is offloaded,
+      in [0.0, 1.0]: whole leaves, those whose share lies nearest (the trainer logs the
+      achieved share).
+    optimizer_offload_update_on: where offloaded state updates: device (moments
+      streamed through the device in chunks), host (XLA's host computation, one core),
+      host_kernel (ZeRO-Offload's split: the chosen leaves' float32 weights and moments
+      live on the host and ``jaxoffload.host_adam``'s multi-threaded kernel updates them
+      between device steps; needs numba and float32 parameters), or auto (the trainer
+      times this machine's link and host kernel, prices device and host_kernel, takes
+      the cheaper and prints why: ``jaxoffload.autoplace``).
+    delayed_update: with host_kernel, apply step t's update while the device computes
+      step t + 1 (ZeRO-Offload's one-step delayed update): the offloaded leaves'
+      gradients are taken one update late, which changes the optimisation: the
+      trainer warns ([performance](performance.md#optimizer-offload)).
+    delayed_update_after: with delayed_update, how many updates are applied exactly
+      before the delay begins.
+    delayed_update_predict_weights: with delayed_update, the device reads the weights
+      moved once more by their latest update (``2 w_t - w_(t-1)``, weight prediction
+      as in PipeMare and SpecTrain); the host keeps the true weights.
+    overlap_cpu_optimizer_d2h_h2d: with optimizer_offload_update_on=device, fetch each
+      streamed piece of state while the previous one updates (double buffering, one
+      more piece of device memory).
+    offload_transfer_dtype: with host_kernel, the dtype in which the device reads the
+      offloaded weights and sends their clipped gradients: bfloat16 halves both copies
+      for the leaves the model multiplies in bfloat16 (norm scales stay float32);
+      needs model.dtype=bfloat16.
+    use_torch_optimizer_for_cpu_offload: there is no torch here: True is refused,
+      naming optimizer_offload_update_on.
+    use_distributed_optimizer: optimizer state sharded over the devices, which in
+      JAX mesh.fsdp does for parameters, gradients and state alike: accepted with
+      mesh.data = 1, refused with mesh.data > 1 (use mesh.fsdp).
+  """
+
+  lr: float = 3e-3
+  min_lr: float = 3e-4
+  lr_warmup_iters: int = 10
+  lr_decay_style: str = "cosine"
+  adam_beta1: float = 0.9
+  adam_beta2: float = 0.95
+  adam_eps: float = 1e-8
+  weight_decay: float = 0.1
+  clip_grad: float = 1.0
+  optimizer_cpu_offload: bool = False
+  optimizer_offload_fraction: float = 0.0
+  optimizer_offload_update_on: str = "device"
+  delayed_update: bool = False
+  delayed_update_after: int = 0
+  delayed_update_predict_weights: bool = False
+  overlap_cpu_optimizer_d2h_h2d: bool = False
+  offload_transfer_dtype: str = "float32"
+  use_torch_optimizer_for_cpu_offload: bool = False
+  use_distributed_optimizer: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """``train.*``: steps, batch sizes and seed.
+
+  Attributes:
+    train_iters: steps.
+    global_batch_size: sequences per step.
+    micro_batch_size: sequences per forward pass; gradients accumulate over
+      global_batch_size / micro_batch_size of them.
+    seed: of the parameters and the synthetic data.
+  """
+
+  train_iters: int = 100
+  global_batch_size: int = 8
+  micro_batch_size: int = 8
+  seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """``data.*``: where the training tokens come from.
+
+  Every batch is a function of train.seed and the step, so a resumed run sees
+  the same tokens as an uninterrupted one.
+
+  Attributes:
+    dataset: synthetic (counting sequences: the loss falls fast) or text (byte
+      tokens: needs model.vocab_size >= 256).
+    text_file: a UTF-8 text file to train on with dataset=text; null: the corpus
+      shipped with jaxoffload (fixed, so loss curves compare across versions).
+  """
+
+  dataset: str = "synthetic"
+  text_file: Optional[str] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingConfig:
+  """``logging.*``: the progress line and the per-step JSONL record.
+
+  MFU counts the model's matmul and attention FLOPs against the chip's dense
+  peak (``jaxoffload.train.metrics.PEAK_FLOPS``); null on devices not listed.
+
+  Attributes:
+    log_interval: steps between progress lines; 0: ten a run.
+    jsonl: a file to append one JSON record per step to (step, loss, step_s,
+      tokens_per_s, mfu, peak_device_bytes, pinned_host_bytes).
+    progress_bar: on a terminal, one progress line redrawn in place.
+  """
+
+  log_interval: int = 0
+  jsonl: Optional[str] = None
+  progress_bar: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """``mesh.*``: devices along each mesh axis.
+
+  The batch is sharded over data and fsdp, weights over fsdp, heads, MLP and
+  vocabulary over tensor (``jaxoffload.sharding.LOGICAL_RULES``).
+
+  Attributes:
+    data: data-parallel devices.
+    fsdp: devices that shard parameters, gradients and optimizer state.
+    tensor: tensor-parallel devices.
+  """
+
+  data: int = 1
+  fsdp: int = 1
+  tensor: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+  """``distributed.*``: one process per host, joined by ``jax.distributed.initialize``.
+
+  How to run across hosts: [multihost.md](multihost.md).
+
+  Attributes:
+    initialize: call jax.distributed.initialize before anything else.
+    coordinator_address: host:port of process 0, the same on every process; null:
+      detected on clusters JAX knows (SLURM, Open MPI, TPU pods, Kubernetes).
+    num_processes: how many processes; null: detected.
+    process_id: this process's index in [0, num_processes - 1]; null: detected.
+  """
+
+  initialize: bool = False
+  coordinator_address: Optional[str] = None
+  num_processes: Optional[int] = None
+  process_id: Optional[int] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  """``checkpoint.*``: orbax checkpoints of parameters and optimizer state.
+
+  A run that stops on a NaN or infinite loss saves nothing more and names the
+  newest good checkpoint.
+
+  Attributes:
+    dir: where orbax writes checkpoints (asynchronously); null: none.
+    save_interval: steps between saves; the last step is always saved.
+    keep: how many of the newest checkpoints to keep.
+    resume: continue from the newest checkpoint in dir; offloaded state is restored
+      straight into host memory.
+  """
+
+  dir: Optional[str] = None
+  save_interval: int = 100
+  keep: int = 3
+  resume: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """The whole configuration, one field per section."""
+
+  model: ModelConfig = ModelConfig()
+  optimizer: OptimizerConfig = OptimizerConfig()
+  train: TrainConfig = TrainConfig()
+  data: DataConfig = DataConfig()
+  logging: LoggingConfig = LoggingConfig()
+  mesh: MeshConfig = MeshConfig()
+  distributed: DistributedConfig = DistributedConfig()
+  checkpoint: CheckpointConfig = CheckpointConfig()

@@ -1,0 +1,142 @@
+"""A ``Config`` from a YAML file and ``section.key=value`` overrides, checked once.
+
+Every key's name and type is checked here, and every rule of the reference
+system by ``jaxoffload.train.rules``, before anything is compiled. Problems
+raise ``ConfigError`` with one message that names the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import typing
+from typing import Any, Optional, Sequence
+
+import yaml
+
+from jaxoffload.train import rules
+from jaxoffload.train.config import Config, ConfigError
+
+
+def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Config:
+  """Reads ``path`` (YAML, optional), applies ``overrides`` and checks the result once.
+
+  A file may start from another: ``base_config: llama_1b.yaml`` (a path
+  relative to the file) reads that one first, then this file's keys over it.
+
+  Args:
+    path: a YAML file of sections (model, optimizer, train, ...); None: the defaults.
+    overrides: ``section.key=value`` strings, values read as YAML, applied last.
+
+  Returns:
+    The checked ``Config``.
+
+  Raises:
+    ConfigError: naming the key, for an unknown key, a wrong type or a broken rule.
+
+  Example:
+    >>> config = load_config("configs/tiny.yaml", ["optimizer.optimizer_offload_fraction=0.5"])
+  """
+  items = [] if path is None else _file_items(path, ())
+  items += [parse_override(text) for text in overrides]
+  config = _with_values(Config(), items)
+  rules.check(config)
+  return config
+
+
+def _with_values(config: Config, items: Sequence[tuple[str, Any]]) -> Config:
+  """``config`` with each dotted key set to its value, types checked (no rules).
+
+  Raises:
+    ConfigError: for an unknown key or a value of the wrong type.
+  """
+  values: dict[str, dict[str, Any]] = {}
+  for dotted, value in items:
+    section, key, kind = _field(dotted)
+    values.setdefault(section, {})[key] = _coerce(dotted, value, kind)
+  return dataclasses.replace(config, **{
+      section: dataclasses.replace(getattr(config, section), **fields)
+      for section, fields in values.items()})
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+  """``"optimizer.lr=3e-4"`` as ``("optimizer.lr", 3e-4)``; values are read as YAML."""
+  key, sep, raw = text.partition("=")
+  if not sep or not key:
+    raise ConfigError(f"override {text!r} must look like section.key=value")
+  return key.strip(), yaml.safe_load(raw) if raw.strip() else None
+
+
+def _field(dotted: str) -> tuple[str, str, Any]:
+  """The section, key and type a dotted key names, or a ConfigError with the nearest key."""
+  section, _, key = dotted.partition(".")
+  sections = typing.get_type_hints(Config)
+  if section not in sections or not key:
+    raise ConfigError(f"unknown config key {dotted!r}" + _closest(
+        section, [f"{name}." for name in sections]))
+  hints = typing.get_type_hints(sections[section])
+  if key not in hints:
+    raise ConfigError(f"unknown config key {dotted!r}" + _closest(
+        dotted, [f"{section}.{name}" for name in hints]))
+  return section, key, hints[key]
+
+
+def _closest(name: str, candidates: Sequence[str]) -> str:
+  match = difflib.get_close_matches(name, candidates, n=1, cutoff=0.5)
+  return f"; did you mean {match[0]!r}?" if match else f"; valid: {', '.join(candidates)}"
+
+
+def _coerce(key: str, value: Any, expected: Any) -> Any:
+  """``value`` as the field's type (ints widen to floats), or a ConfigError naming the key."""
+  allowed = typing.get_args(expected) if typing.get_origin(expected) is typing.Union else (expected,)
+  if value is None and type(None) in allowed:
+    return None
+  for kind in allowed:
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+      return float(value)
+    if kind is float and isinstance(value, str):
+      # YAML reads 3e-4 (no dot) as a string; a float field takes it as the number.
+      try:
+        return float(value)
+      except ValueError:
+        pass
+    if kind is not type(None) and type(value) is kind:
+      return value
+  names = " or ".join("null" if kind is type(None) else kind.__name__ for kind in allowed)
+  raise ConfigError(f"{key} must be {names}, got {value!r} ({type(value).__name__})")
+
+
+def _flatten(tree: Any, prefix: str = "") -> list[tuple[str, Any]]:
+  if not isinstance(tree, dict):
+    return [(prefix, tree)]
+  if prefix.count(".") >= 1:
+    raise ConfigError(f"config key {prefix!r} takes a value, not a mapping")
+  items = []
+  for key, value in tree.items():
+    items += _flatten(value, f"{prefix}.{key}" if prefix else str(key))
+  return items
+
+
+def _file_items(path: str, including: tuple[str, ...]) -> list[tuple[str, Any]]:
+  """The file's (key, value) pairs, after those of the file its ``base_config`` names."""
+  try:
+    with open(path) as f:
+      data = yaml.safe_load(f) or {}
+  except OSError as error:
+    raise ConfigError(f"cannot read config file {path!r}: {error.strerror}") from None
+  except yaml.YAMLError as error:
+    raise ConfigError(f"config file {path!r} is not valid YAML: {error}") from None
+  if not isinstance(data, dict):
+    raise ConfigError(f"config file {path!r} must hold a mapping of sections")
+  base = data.pop("base_config", None)
+  if base is None:
+    return _flatten(data)
+  if not isinstance(base, str):
+    raise ConfigError(f"base_config in {path!r} must be a file name, got {base!r}")
+  # Relative to the including file, as a user reading it would expect.
+  base_path = os.path.normpath(os.path.join(os.path.dirname(path), base))
+  chain = including + (os.path.normpath(path),)
+  if base_path in chain:
+    raise ConfigError(f"config files include each other: {' -> '.join(chain + (base_path,))}")
+  return _file_items(base_path, chain) + _flatten(data)

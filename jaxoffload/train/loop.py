@@ -1,0 +1,165 @@
+"""The training loop: ``run(config)`` resolves, builds, restores, trains, checkpoints and reports."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+import time
+from typing import Callable, Optional
+
+import jax
+
+import jaxoffload
+from jaxoffload.train import checkpoints as ckpt
+from jaxoffload.train import launch, metrics, rules
+from jaxoffload.train.config import Config
+from jaxoffload.train.resolve import Setup, resolve
+from jaxoffload.train.step import Trainer
+
+Log = Callable[[str], None]
+
+
+@dataclasses.dataclass
+class Run:
+  """What a training run did: each step's record and what the compiled step holds.
+
+  Attributes:
+    setup: what the run was resolved to.
+    records: one per step run.
+    compile_s: seconds to compile the step.
+    compiled_device_bytes: XLA's estimate for the compiled step: device bytes of
+      arguments, outputs and temporaries (aliased donations counted once).
+    compiled_host_temp_bytes: the compiled step's host temporaries.
+    offloaded_state_bytes: parameters and optimizer state held in host memory.
+  """
+
+  setup: Setup
+  records: list[metrics.StepRecord]
+  compile_s: float
+  compiled_device_bytes: int
+  compiled_host_temp_bytes: int
+  offloaded_state_bytes: int
+
+  @property
+  def losses(self) -> list[float]:
+    return [r.loss for r in self.records]
+
+
+def train(config: Config, *, log: Log = print, stop_after_step: Optional[int] = None
+          ) -> list[float]:
+  """Runs steps up to ``config.train.train_iters``; returns the loss of each step run."""
+  return run(config, log=log, stop_after_step=stop_after_step).losses
+
+
+def run(config: Config, *, log: Log = print, stop_after_step: Optional[int] = None) -> Run:
+  """Runs steps up to ``config.train.train_iters``; returns each step's record.
+
+  Across several processes (``distributed.*``) every process runs this; only
+  process 0 logs and writes the JSONL file. With ``checkpoint.dir`` it saves
+  every ``checkpoint.save_interval`` steps and at the last, and with
+  ``checkpoint.resume`` continues from the newest checkpoint there.
+
+  Args:
+    config: a checked config (``load_config``).
+    log: where progress lines go; on a terminal, ``print`` redraws one line in place.
+    stop_after_step: end early, as an interruption would, after saving a
+      checkpoint there; the schedule still spans ``train_iters``.
+
+  Returns:
+    The ``Run``: each step's record and the compiled step's memory.
+  """
+  reporting = jax.process_index() == 0
+  if not reporting:
+    log = lambda _: None
+  live = config.logging.progress_bar and log is print and sys.stdout.isatty()
+  setup = resolve(config)
+  config = setup.config
+  trainer = Trainer(setup)
+  checkpoints = ckpt.manager(config)
+  first = 0
+  if checkpoints is not None and config.checkpoint.resume and checkpoints.latest_step() is not None:
+    first = checkpoints.latest_step()
+    ckpt.restore(checkpoints, first, trainer)
+    log(f"resumed from step {first} in {config.checkpoint.dir}")
+  _announce(setup, trainer, log)
+  compile_start = time.perf_counter()
+  analysis = trainer.compile(setup.global_batch(first)).memory_analysis()
+  compile_s = time.perf_counter() - compile_start
+  log(f"compiled the step in {compile_s:.1f} s")
+  host_temp = getattr(analysis, "host_temp_size_in_bytes", 0) or 0
+  pinned, offloaded_state = _host_bytes(trainer)
+  t, m = config.train, config.model
+  last = t.train_iters if stop_after_step is None else min(stop_after_step, t.train_iters)
+  jsonl = open(config.logging.jsonl, "a") if config.logging.jsonl and reporting else None
+  meter = metrics.Monitor(
+      total_steps=t.train_iters, tokens_per_step=t.global_batch_size * m.seq_length,
+      flops_per_token=metrics.flops_per_token(setup.model, m.seq_length),
+      peak_flops=(metrics.peak_flops(jax.devices()[0], m.dtype) or 0) * jax.device_count(),
+      pinned_host_bytes=pinned + host_temp, log=log, log_interval=config.logging.log_interval,
+      jsonl=jsonl, live=live, peak_device_bytes=jaxoffload.peak_device_bytes)
+  try:
+    for i in range(first, last):
+      tokens = setup.global_batch(i)
+      start = time.perf_counter()
+      loss = float(trainer.step(tokens).addressable_data(0))  # Replicated: every process has it.
+      meter.record(step=i + 1, loss=loss, step_s=time.perf_counter() - start)
+      if not math.isfinite(loss):
+        _stop_on_bad_loss(loss, i + 1, checkpoints)
+      if checkpoints is not None and ((i + 1) % config.checkpoint.save_interval == 0
+                                      or i + 1 == last):
+        ckpt.save(checkpoints, i + 1, trainer)
+  finally:
+    if jsonl is not None:
+      jsonl.close()
+  if trainer.host is not None:
+    trainer.host.finish()
+  if checkpoints is not None:
+    checkpoints.wait_until_finished()
+  log(meter.summary())
+  device_bytes = (analysis.argument_size_in_bytes + analysis.output_size_in_bytes
+                  - analysis.alias_size_in_bytes + analysis.temp_size_in_bytes)
+  return Run(setup, meter.records, compile_s, device_bytes, host_temp, offloaded_state)
+
+
+def _announce(setup: Setup, trainer: Trainer, log: Log) -> None:
+  """The run's first lines: the backend and shapes, where offloaded state lives, warnings."""
+  config, m, t = setup.config, setup.config.model, setup.config.train
+  log(f"backend {jax.default_backend()} ({jax.device_count()} x {jax.devices()[0].device_kind}); "
+      f"{m.num_layers} layers, hidden {m.hidden_size}; "
+      f"{t.global_batch_size} x {m.seq_length} tokens a step of {config.data.dataset} data")
+  if setup.choice is not None:
+    log(str(setup.choice))
+  if trainer.host is not None:
+    log(str(trainer.host))
+  elif setup.offload is not None:
+    log(str(setup.offload))
+  warnings = rules.warnings(config, jax.default_backend())
+  if m.cuda_graph_impl != "none" and launch.COMMAND_BUFFER_FLAG not in os.environ.get(
+      "XLA_FLAGS", ""):
+    warnings.append(f"warning: model.cuda_graph_impl={m.cuda_graph_impl!r} needs XLA_FLAGS="
+                    f"{launch.COMMAND_BUFFER_FLAG} before JAX starts; python -m jaxoffload.train "
+                    f"sets it")
+  for warning in warnings:
+    log(warning)
+
+
+def _host_bytes(trainer: Trainer) -> tuple[int, int]:
+  """Pinned host bytes the trainer holds, and of those the training state the device would."""
+  pinned = jaxoffload.bytes_by_memory_kind((trainer.params, trainer.opt_state)).get(
+      "pinned_host", 0)
+  if trainer.host is None:
+    return pinned, pinned
+  # Its moments are host memory too, though not pinned; its second buffers and
+  # bfloat16 copies are pinned, but no state the device would hold.
+  host = trainer.host
+  return pinned + host.pinned_bytes, pinned + host.weight_bytes + host.moment_bytes
+
+
+def _stop_on_bad_loss(loss: float, step: int, checkpoints) -> None:
+  if checkpoints is not None:
+    checkpoints.wait_until_finished()
+  newest = None if checkpoints is None else checkpoints.latest_step()
+  raise FloatingPointError(f"loss is {loss} at step {step}; stopping" + (
+      f" (the newest good checkpoint is step {newest})" if newest is not None else ""))

@@ -1,0 +1,172 @@
+"""One step from a checked ``Config`` to everything a run needs, computed once: ``resolve``.
+
+The model's config and layer groups, the mesh, the parameters' shapes and
+placements, the optimizer offload plan and where it updates (measured on
+this machine for ``optimizer_offload_update_on=auto``), the learning-rate
+schedule and the batches. The trainer, the benchmark runner and tests take
+a ``Setup`` and derive nothing from the config again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.experimental import multihost_utils
+
+from jaxoffload import autoplace, sharding
+from jaxoffload.model import Llama, LlamaConfig, abstract_params, group_name, logical_param_specs
+from jaxoffload.placement import OffloadPlan, leaf_path, plan_offload
+from jaxoffload.remat import LayerGroup
+from jaxoffload.train import data, rules
+from jaxoffload.train.config import Config, ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+  """What a run needs, resolved once from its ``Config``.
+
+  Attributes:
+    config: the config, with ``optimizer_offload_update_on=auto`` replaced by the choice.
+    model: the model's own config.
+    groups: its layer groups (activation placement, weights offload).
+    mesh: the (data, fsdp, tensor) mesh.
+    param_shapes: the parameters' ``jax.ShapeDtypeStruct``s.
+    param_shardings: where each parameter lives: sharding and memory kind.
+    offload: which leaves' optimizer state is offloaded; None without optimizer offload.
+    fetched_by_model: per leaf, True for weights of weight-offloaded layer groups,
+      which the model brings to the device layer by layer.
+    schedule: the learning rate at each update.
+    choice: what ``auto`` chose and why; None when the placement was given.
+    batches: step -> that step's tokens (numpy, the global batch).
+  """
+
+  config: Config
+  model: LlamaConfig
+  groups: tuple[LayerGroup, ...]
+  mesh: jax.sharding.Mesh
+  param_shapes: Any
+  param_shardings: Any
+  offload: Optional[OffloadPlan]
+  fetched_by_model: Any
+  schedule: optax.Schedule
+  choice: Optional[autoplace.Choice]
+  batches: data.Batches
+
+  @property
+  def host_kernel(self) -> bool:
+    """Whether the offloaded leaves update with the host kernel (``HostAdamW``)."""
+    return (self.offload is not None
+            and self.config.optimizer.optimizer_offload_update_on == "host_kernel")
+
+  @property
+  def micro_batches(self) -> int:
+    t = self.config.train
+    return t.global_batch_size // t.micro_batch_size
+
+  @property
+  def llama(self) -> Llama:
+    """The model, its layer groups and its mesh."""
+    return Llama(self.model, self.groups, self.mesh)
+
+  def global_batch(self, step: int) -> jax.Array:
+    """Step ``step``'s tokens as one array over the mesh; each process places only its shards.
+
+    Every process computes the same global batch from the seed and the step, so
+    no process needs another's data.
+    """
+    tokens = self.batches(step)
+    return jax.make_array_from_callback(tokens.shape, sharding.batch_sharding(self.mesh),
+                                        lambda index: tokens[index])
+
+
+def resolve(config: Config) -> Setup:
+  """Everything a run of ``config`` needs (``config`` checked by ``load_config``).
+
+  Raises:
+    ConfigError: for what depends on this machine or the files named: a mesh
+      that does not use every device of several processes, an unreadable text
+      file, the host kernel without numba.
+  """
+  groups = rules.layer_groups(config)
+  mesh = _mesh(config)
+  model = config.model.llama()
+  batches = data.batches(config)
+  probe = jnp.zeros((1, 2), jnp.int32)  # Parameters' shapes do not depend on the tokens'.
+  shapes = abstract_params(Llama(model, groups), probe)
+  shardings = sharding.logical_shardings(mesh, logical_param_specs(Llama(model, groups), probe))
+  host_groups = {group_name(g) for g in groups if g.offload_weights}
+  fetched = jax.tree_util.tree_map_with_path(
+      lambda path, _: leaf_path(path).split("/")[0] in host_groups, shapes)
+  o = config.optimizer
+  offload = (plan_offload(shapes, offload_fraction=o.optimizer_offload_fraction)
+             if o.optimizer_cpu_offload else None)
+  config, choice = _resolve_update_place(config, offload)
+  host_kernel = offload is not None and config.optimizer.optimizer_offload_update_on == "host_kernel"
+  if host_kernel and importlib.util.find_spec("numba") is None:
+    raise ConfigError("optimizer_offload_update_on=host_kernel needs numba: "
+                      "pip install 'jaxoffload[host]'")
+  # Weight-offloaded groups live in pinned_host; so do the host kernel's leaves
+  # (ZeRO-Offload's split: their weights stay with their optimizer state).
+  in_host = fetched if not host_kernel else jax.tree.map(lambda a, b: a or b, fetched,
+                                                          offload.mask)
+  shardings = jax.tree.map(lambda s, host: s.with_memory_kind("pinned_host") if host else s,
+                           shardings, in_host)
+  return Setup(config=config, model=model, groups=groups, mesh=mesh, param_shapes=shapes,
+               param_shardings=shardings, offload=offload, fetched_by_model=fetched,
+               schedule=learning_rate(config), choice=choice, batches=batches)
+
+
+def learning_rate(config: Config) -> optax.Schedule:
+  """Linear warm-up to ``optimizer.lr``, then the configured decay to ``min_lr``."""
+  o, iters = config.optimizer, config.train.train_iters
+  warmup = min(o.lr_warmup_iters, iters)
+  decay = {"constant": optax.constant_schedule(o.lr),
+           "linear": optax.linear_schedule(o.lr, o.min_lr, max(iters - warmup, 1)),
+           "cosine": optax.cosine_decay_schedule(o.lr, max(iters - warmup, 1), o.min_lr / o.lr)}
+  return optax.join_schedules([optax.linear_schedule(0.0, o.lr, warmup),
+                               decay[o.lr_decay_style]], [warmup])
+
+
+def _mesh(config: Config) -> jax.sharding.Mesh:
+  m = config.mesh
+  try:
+    mesh = sharding.make_mesh(m.data, m.fsdp, m.tensor)
+  except ValueError as error:
+    raise ConfigError(str(error)) from None
+  if jax.process_count() > 1 and mesh.size != jax.device_count():
+    raise ConfigError(f"mesh data={m.data} x fsdp={m.fsdp} x tensor={m.tensor} must use all "
+                      f"{jax.device_count()} devices of the {jax.process_count()} processes")
+  return mesh
+
+
+def _resolve_update_place(config: Config, offload: Optional[OffloadPlan]
+                          ) -> tuple[Config, Optional[autoplace.Choice]]:
+  """``config`` with ``optimizer_offload_update_on=auto`` replaced by the exact placement this
+  machine runs fastest, and that choice; any other config unchanged."""
+  o = config.optimizer
+  if o.optimizer_offload_update_on != "auto":
+    return config, None
+  place = lambda p: dataclasses.replace(
+      config, optimizer=dataclasses.replace(o, optimizer_offload_update_on=p))
+  if offload is None:
+    return place("device"), None
+  # Each device copies its own shards; the host kernel updates all of this process's.
+  per_device = offload.offloaded_elements // (config.mesh.fsdp * config.mesh.tensor)
+  choice = autoplace.choose(
+      autoplace.measure_machine(), offloaded_elements=per_device, moment_bytes_per_element=8,
+      transfer_bytes_per_element=jnp.dtype(o.offload_transfer_dtype).itemsize,
+      local_elements=per_device * jax.local_device_count(),
+      host_kernel=(config.model.params_dtype == "float32"
+                   and importlib.util.find_spec("numba") is not None))
+  if jax.process_count() > 1:
+    # Every process must build the same program: process 0's choice holds.
+    places = list(choice.predicted_s)
+    first = multihost_utils.broadcast_one_to_all(np.int32(places.index(choice.place)))
+    choice = dataclasses.replace(choice, place=places[int(first)])
+  return place(choice.place), choice

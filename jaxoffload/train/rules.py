@@ -1,0 +1,222 @@
+"""The reference system's rules, and this trainer's, as pure functions of a ``Config``.
+
+``check`` raises ``ConfigError`` with the reference's wording where it has one;
+``warnings`` lists the settings that run but train worse or slower. Nothing
+here reads files or the machine: what depends on them is checked where the
+run is set up (``jaxoffload.train.setup``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from jaxoffload import remat
+from jaxoffload.adam import UPDATE_PLACES
+from jaxoffload.placement import check_fraction
+from jaxoffload.train.config import Config, ConfigError
+from jaxoffload.train.data import BYTE_VOCAB_SIZE
+
+DTYPES = ("float32", "bfloat16")
+ATTENTION_IMPLEMENTATIONS = (None, "xla", "cudnn")
+CUDA_GRAPH_IMPLS = ("none", "local", "transformer_engine")
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
+UPDATE_PLACEMENTS = UPDATE_PLACES + ("host_kernel", "auto")
+DATASETS = ("synthetic", "text")
+
+
+def check(config: Config) -> None:
+  """Raises ``ConfigError`` for the first rule ``config`` breaks, naming the key."""
+  _check_choices(config)
+  _check_sizes(config)
+  _check_optimizer(config)
+  _check_host_kernel(config)
+  _check_model(config)
+  _check_data_and_processes(config)
+  layer_groups(config)
+
+
+def layer_groups(config: Config) -> tuple[remat.LayerGroup, ...]:
+  """The model's layer groups from the ``model.cpu_offloading*`` keys, by Megatron's rules."""
+  m = config.model
+  try:
+    return remat.megatron_layer_groups(
+        m.num_layers, cpu_offloading=m.cpu_offloading,
+        cpu_offloading_num_layers=m.cpu_offloading_num_layers,
+        cpu_offloading_activations=m.cpu_offloading_activations,
+        cpu_offloading_weights=m.cpu_offloading_weights,
+        recompute_granularity=m.recompute_granularity,
+        fine_grained_activation_offloading=m.fine_grained_activation_offloading,
+        offload_placements=remat.offload_preset(m.cpu_offloading_policy))
+  except ValueError as error:
+    raise ConfigError(str(error)) from None
+
+
+def warnings(config: Config, backend: str) -> list[str]:
+  """Lines for the settings that train worse, or run slowly on ``backend``."""
+  o, mesh = config.optimizer, config.mesh
+  lines = []
+  if o.delayed_update:
+    lines.append(
+        f"warning: optimizer.delayed_update=True takes each gradient one update late after "
+        f"the first {o.delayed_update_after} updates (optimizer.delayed_update_after); it has "
+        f"trained worse than exact updates (docs/performance.md#optimizer-offload): compare "
+        f"its loss with exact updates.")
+  if (backend == "gpu" and o.optimizer_cpu_offload and o.optimizer_offload_update_on == "device"
+      and max(mesh.fsdp, mesh.tensor) > 1):
+    lines.append(
+        f"warning: optimizer offload streamed through the device on a mesh with fsdp="
+        f"{mesh.fsdp}, tensor={mesh.tensor} is slow on GPUs: XLA moves the sharded host state "
+        f"through host computation (docs/performance.md#several-gpus). mesh.data avoids it.")
+  return lines
+
+
+def _one_of(key: str, value: Any, allowed: Sequence[Any]) -> None:
+  if value not in allowed:
+    raise ConfigError(f"{key} must be one of {list(allowed)}, got {value!r}")
+
+
+def _at_least(key: str, value: float, low: float) -> None:
+  if not value >= low:  # NaN fails too.
+    raise ConfigError(f"{key} must be at least {low}, got {value}")
+
+
+def _check_choices(config: Config) -> None:
+  m, o = config.model, config.optimizer
+  _one_of("model.dtype", m.dtype, DTYPES)
+  _one_of("model.params_dtype", m.params_dtype, DTYPES)
+  _one_of("model.cuda_graph_impl", m.cuda_graph_impl, CUDA_GRAPH_IMPLS)
+  _one_of("model.cpu_offloading_policy", m.cpu_offloading_policy, list(remat.OFFLOAD_PRESETS))
+  _one_of("model.attention_implementation", m.attention_implementation,
+          ATTENTION_IMPLEMENTATIONS)
+  _one_of("optimizer.lr_decay_style", o.lr_decay_style, LR_DECAY_STYLES)
+  _one_of("optimizer.optimizer_offload_update_on", o.optimizer_offload_update_on,
+          UPDATE_PLACEMENTS)
+  _one_of("optimizer.offload_transfer_dtype", o.offload_transfer_dtype, DTYPES)
+  _one_of("data.dataset", config.data.dataset, DATASETS)
+
+
+def _check_sizes(config: Config) -> None:
+  m, t, c = config.model, config.train, config.checkpoint
+  for key in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+              "num_attention_heads", "num_query_groups"):
+    _at_least(f"model.{key}", getattr(m, key), 1)
+  # The loss predicts each token from those before it: one sequence needs two.
+  _at_least("model.seq_length", m.seq_length, 2)
+  if m.hidden_size % m.num_attention_heads or (m.hidden_size // m.num_attention_heads) % 2:
+    raise ConfigError(f"model.hidden_size ({m.hidden_size}) must be an even multiple of "
+                      f"model.num_attention_heads ({m.num_attention_heads}): rotary embeddings "
+                      f"split each head in two halves")
+  if m.num_attention_heads % m.num_query_groups:
+    raise ConfigError(f"model.num_attention_heads ({m.num_attention_heads}) must be a multiple "
+                      f"of model.num_query_groups ({m.num_query_groups})")
+  if not m.rope_theta > 0 or not m.rms_norm_eps >= 0:
+    raise ConfigError(f"model.rope_theta must be > 0 and model.rms_norm_eps >= 0, got "
+                      f"{m.rope_theta} and {m.rms_norm_eps}")
+  for key, value in (("train.train_iters", t.train_iters),
+                     ("train.global_batch_size", t.global_batch_size),
+                     ("train.micro_batch_size", t.micro_batch_size),
+                     ("checkpoint.save_interval", c.save_interval), ("checkpoint.keep", c.keep)):
+    _at_least(key, value, 1)
+  _at_least("logging.log_interval", config.logging.log_interval, 0)
+  if t.global_batch_size % t.micro_batch_size:
+    raise ConfigError(f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
+                      f"train.micro_batch_size ({t.micro_batch_size})")
+
+
+def _check_optimizer(config: Config) -> None:
+  o = config.optimizer
+  if not o.lr > 0 or not 0 <= o.min_lr <= o.lr:
+    raise ConfigError(f"optimizer.lr must be > 0 and optimizer.min_lr in [0, lr], got lr="
+                      f"{o.lr}, min_lr={o.min_lr}")
+  _at_least("optimizer.lr_warmup_iters", o.lr_warmup_iters, 0)
+  for key in ("adam_beta1", "adam_beta2"):
+    if not 0 <= getattr(o, key) < 1:
+      raise ConfigError(f"optimizer.{key} must be in [0, 1), got {getattr(o, key)}")
+  if not o.adam_eps > 0 or not o.clip_grad > 0:
+    raise ConfigError(f"optimizer.adam_eps and optimizer.clip_grad must be > 0, got "
+                      f"{o.adam_eps} and {o.clip_grad}")
+  _at_least("optimizer.weight_decay", o.weight_decay, 0)
+  try:
+    check_fraction(o.optimizer_offload_fraction)
+  except ValueError:
+    raise ConfigError(f"optimizer.optimizer_offload_fraction must be in [0.0, 1.0], got "
+                      f"{o.optimizer_offload_fraction!r}") from None
+  if o.overlap_cpu_optimizer_d2h_h2d and o.optimizer_offload_update_on != "device":
+    raise ConfigError(
+        f"optimizer.overlap_cpu_optimizer_d2h_h2d=True overlaps the copies of state streamed "
+        f"through the device: it needs optimizer.optimizer_offload_update_on=device, got "
+        f"{o.optimizer_offload_update_on!r} (with host_kernel, delayed_update=True overlaps)")
+  if o.use_torch_optimizer_for_cpu_offload:
+    raise ConfigError("optimizer.use_torch_optimizer_for_cpu_offload=True: jaxoffload has no "
+                      "torch optimizer; offloaded state updates in XLA or with its own "
+                      "multi-threaded host kernel, chosen by "
+                      "optimizer.optimizer_offload_update_on (device, host, host_kernel or auto)")
+  if o.use_distributed_optimizer and config.mesh.data > 1:
+    raise ConfigError(f"optimizer.use_distributed_optimizer=True with mesh.data="
+                      f"{config.mesh.data}: shard the optimizer state with mesh.fsdp="
+                      f"{config.mesh.data} instead (it shards parameters, gradients and "
+                      f"optimizer state alike)")
+
+
+def _check_host_kernel(config: Config) -> None:
+  m, o = config.model, config.optimizer
+  if o.offload_transfer_dtype != "float32":
+    if o.optimizer_offload_update_on not in ("host_kernel", "auto"):
+      raise ConfigError(f"optimizer.offload_transfer_dtype={o.offload_transfer_dtype} needs "
+                        f"optimizer.optimizer_offload_update_on=host_kernel (or auto), got "
+                        f"{o.optimizer_offload_update_on!r}")
+    if m.dtype != "bfloat16":
+      raise ConfigError(f"optimizer.offload_transfer_dtype={o.offload_transfer_dtype} sends the "
+                        f"weights the model multiplies in bfloat16; model.dtype is {m.dtype!r}, "
+                        f"so none would be")
+  if o.delayed_update and o.optimizer_offload_update_on != "host_kernel":
+    raise ConfigError("optimizer.delayed_update=True needs optimizer.optimizer_offload_update_on="
+                      f"host_kernel, got {o.optimizer_offload_update_on!r}")
+  if o.delayed_update_after < 0:
+    raise ConfigError(f"optimizer.delayed_update_after must be >= 0, got {o.delayed_update_after}")
+  if o.delayed_update_after and not o.delayed_update:
+    raise ConfigError(f"optimizer.delayed_update_after={o.delayed_update_after} counts the exact "
+                      f"updates before a delayed_update; set optimizer.delayed_update=True")
+  if o.delayed_update_predict_weights and not o.delayed_update:
+    raise ConfigError("optimizer.delayed_update_predict_weights=True predicts the update a delayed "
+                      "step lacks; set optimizer.delayed_update=True")
+  if (o.optimizer_cpu_offload and o.optimizer_offload_update_on == "host_kernel"
+      and m.params_dtype != "float32"):
+    raise ConfigError("optimizer_offload_update_on=host_kernel keeps float32 weights on the "
+                      f"host; model.params_dtype must be float32, got {m.params_dtype!r}")
+
+
+def _check_model(config: Config) -> None:
+  m = config.model
+  if m.cpu_offloading and m.pipeline_model_parallel_size > 1:
+    raise ConfigError("Currently there is no support for Pipeline parallelism with CPU offloading")
+  if m.pipeline_model_parallel_size != 1:
+    raise ConfigError("model.pipeline_model_parallel_size must be 1: jaxoffload has no pipeline "
+                      "parallelism; shard over mesh.fsdp and mesh.tensor instead")
+  if m.cpu_offloading and m.cuda_graph_impl != "none":
+    raise ConfigError("CUDA graphs not supported with CPU offloading.")
+  if m.cpu_offloading_double_buffering:
+    raise ConfigError("model.cpu_offloading_double_buffering=True has no setting in JAX: XLA's "
+                      "scheduler decides when offloaded layers' copies start; its flag "
+                      "--xla_gpu_enable_pipelined_host_offloading is the nearest (no faster: "
+                      "docs/performance.md#activation-offload)")
+
+
+def _check_data_and_processes(config: Config) -> None:
+  data, d = config.data, config.distributed
+  if data.dataset == "text" and config.model.vocab_size < BYTE_VOCAB_SIZE:
+    raise ConfigError(f"data.dataset=text needs model.vocab_size >= {BYTE_VOCAB_SIZE} "
+                      f"(byte tokens), got {config.model.vocab_size}")
+  if data.dataset == "synthetic" and data.text_file is not None:
+    raise ConfigError("data.text_file is set but data.dataset is 'synthetic'; "
+                      "set data.dataset=text to train on it")
+  if not d.initialize and (d.coordinator_address, d.num_processes, d.process_id) != (None,) * 3:
+    raise ConfigError("distributed.coordinator_address, num_processes and process_id take effect "
+                      "only with distributed.initialize=True")
+  if d.num_processes is not None and d.num_processes < 1:
+    raise ConfigError(f"distributed.num_processes must be at least 1, got {d.num_processes}")
+  if d.process_id is not None and not 0 <= d.process_id < (d.num_processes or d.process_id + 1):
+    raise ConfigError(f"distributed.process_id must be in [0, distributed.num_processes - 1], "
+                      f"got {d.process_id}")
+  for axis in ("data", "fsdp", "tensor"):
+    _at_least(f"mesh.{axis}", getattr(config.mesh, axis), 1)

@@ -1,0 +1,183 @@
+"""The train step of a ``Setup``: placed parameters, optimizer state, and one jitted update.
+
+One optimizer for every setting: ``optax.chain(optax.clip_by_global_norm,
+X)`` where X is ``optax.adamw``, ``jaxoffload.offload_adamw`` (the plan's
+leaves' moments in host memory), or, with the host kernel, ``optax.adamw``
+masked to the device leaves: the offloaded leaves' updates are then their
+clipped gradients, which go to host memory for ``HostAdamW``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import jaxoffload
+from jaxoffload import remat
+from jaxoffload._compat import DEVICE_KIND, to_device, to_host
+from jaxoffload.host_offload import HostAdamW
+from jaxoffload.model import Llama, compute_dtypes, init_params, next_token_loss
+from jaxoffload.train.resolve import Setup
+
+
+def optimizer(setup: Setup) -> optax.GradientTransformation:
+  """Clipped AdamW on the schedule; its state partly in host memory with optimizer offload."""
+  o = setup.config.optimizer
+  hyper = dict(b1=o.adam_beta1, b2=o.adam_beta2, eps=o.adam_eps, weight_decay=o.weight_decay)
+  if setup.host_kernel:
+    on_device = jax.tree.map(lambda offloaded: not offloaded, setup.offload.mask)
+    adamw = optax.masked(optax.adamw(setup.schedule, **hyper), on_device)
+  elif setup.offload is not None:
+    adamw = jaxoffload.offload_adamw(setup.schedule, **hyper, offload_mask=setup.offload.mask,
+                                     update_on=o.optimizer_offload_update_on,
+                                     overlap_transfers=o.overlap_cpu_optimizer_d2h_h2d)
+  else:
+    adamw = optax.adamw(setup.schedule, **hyper)
+  return optax.chain(optax.clip_by_global_norm(o.clip_grad), adamw)
+
+
+def host_adamw(setup: Setup, weights: list[jax.Array]) -> HostAdamW:
+  """The host kernel's optimizer for the offloaded leaves' float32 ``weights``."""
+  o = setup.config.optimizer
+  return HostAdamW(weights, learning_rate=setup.schedule, b1=o.adam_beta1, b2=o.adam_beta2,
+                   eps=o.adam_eps, weight_decay=o.weight_decay, delayed=o.delayed_update,
+                   delay_after=o.delayed_update_after,
+                   predict_weights=o.delayed_update_predict_weights,
+                   device_dtypes=_transfer_dtypes(setup))
+
+
+def _transfer_dtypes(setup: Setup) -> list[jnp.dtype]:
+  """Per offloaded leaf, the dtype its weights and gradients travel in: bfloat16 only for
+  leaves the model multiplies in bfloat16, with ``offload_transfer_dtype=bfloat16``."""
+  wire = jnp.dtype(setup.config.optimizer.offload_transfer_dtype)
+  multiplied_in = jax.tree.leaves(compute_dtypes(setup.param_shapes, setup.model))
+  return [wire if d == jnp.bfloat16 else jnp.dtype(jnp.float32)
+          for d, host in zip(multiplied_in, setup.offload.offloaded) if host]
+
+
+class Trainer:
+  """A run's parameters and optimizer state, and the jitted step that updates them.
+
+  ``params`` holds every leaf but the host kernel's, which ``host`` holds.
+
+  Example:
+    >>> trainer = Trainer(resolve(config))
+    >>> loss = trainer.step(setup.global_batch(0))
+  """
+
+  def __init__(self, setup: Setup):
+    self.setup = setup
+    leaves, self._treedef = jax.tree.flatten(_init_params(setup))
+    is_host = setup.offload.offloaded if setup.host_kernel else (False,) * len(leaves)
+    self._is_host = list(is_host)
+    self.params = [p for p, h in zip(leaves, is_host) if not h]
+    self.host: Optional[HostAdamW] = (
+        host_adamw(setup, [p for p, h in zip(leaves, is_host) if h]) if setup.host_kernel
+        else None)
+    self._opt = optimizer(setup)
+    self.opt_state, state_shardings = self._init_state()
+    shardings = jax.tree.leaves(setup.param_shardings)
+    out_shardings = ([s for s, h in zip(shardings, is_host) if not h], state_shardings, None,
+                     [s for s, h in zip(shardings, is_host) if h])
+    self._step = jax.jit(self._train_step, donate_argnums=(0, 2), out_shardings=out_shardings)
+    self._compiled = None
+
+  @property
+  def host_params(self) -> list[jax.Array]:
+    """What the step reads of the host kernel's leaves (none without it)."""
+    return [] if self.host is None else self.host.params
+
+  def compile(self, tokens: jax.Array) -> jax.stages.Compiled:
+    """Compiles the step for batches like ``tokens``; later steps run this program."""
+    self._compiled = self._step.lower(self.params, self.host_params, self.opt_state,
+                                      tokens).compile()
+    return self._compiled
+
+  def step(self, tokens: jax.Array) -> jax.Array:
+    """One update from ``tokens``; returns the loss (before the update)."""
+    step = self._compiled or self._step
+    self.params, self.opt_state, loss, host_grads = step(self.params, self.host_params,
+                                                         self.opt_state, tokens)
+    if self.host is not None:
+      self.host.update(host_grads)
+    return loss
+
+  def _tree(self, device_leaves, host_leaves) -> Any:
+    device, host = iter(device_leaves), iter(host_leaves)
+    return self._treedef.unflatten([next(host) if h else next(device) for h in self._is_host])
+
+  def _train_step(self, device_leaves, host_leaves, opt_state, tokens):
+    setup = self.setup
+    params = self._tree(device_leaves, host_leaves)
+    # The model brings weight-offloaded groups to the device layer by layer;
+    # the host kernel's other leaves come now.
+    params = jax.tree.map(lambda p, fetched: p if fetched else to_device(p), params,
+                          setup.fetched_by_model)
+    loss, grads = _loss_and_grads(setup, params, tokens)
+    if setup.host_kernel:
+      # Clipped in float32, as the host keeps them; rounded for the wire after.
+      grads = jax.tree.map(lambda g, host: g.astype(jnp.float32) if host else g, grads,
+                           setup.offload.mask)
+    device_params = jax.tree.map(to_device, params)
+    updates, opt_state = self._opt.update(grads, opt_state, device_params)
+    new_params = optax.apply_updates(device_params, updates)
+    new_params = jax.tree.map(lambda p, fetched: to_host(p) if fetched else p, new_params,
+                              setup.fetched_by_model)
+    new_leaves, update_leaves = jax.tree.leaves(new_params), jax.tree.leaves(updates)
+    # With the host kernel, its leaves' updates are their clipped gradients.
+    host_grads = [to_host(u.astype(d)) for u, d in zip(
+        [u for u, h in zip(update_leaves, self._is_host) if h],
+        _transfer_dtypes(setup) if setup.host_kernel else [])]
+    return ([p for p, h in zip(new_leaves, self._is_host) if not h], opt_state, loss,
+            host_grads)
+
+  def _init_state(self):
+    """The optimizer's state and its shardings, placed as every step will see them."""
+    mesh = self.setup.mesh
+    # From the parameters' shapes and device shardings: host-resident weights
+    # must not be read, and offloaded state starts where the plan says.
+    shapes = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s.with_memory_kind(
+            DEVICE_KIND)), self.setup.param_shapes, self.setup.param_shardings)
+    state = self._opt.init(shapes)
+    # Scalars optax made uncommitted are replicated over the mesh, so that step 1
+    # sees the placements every later step sees and the step compiles once.
+    shardings = jax.tree.map(
+        lambda x: x.sharding if isinstance(x.sharding, jax.sharding.NamedSharding)
+        else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()), state)
+    return jax.device_put(state, shardings), shardings
+
+
+def _init_params(setup: Setup) -> Any:
+  """The parameters, each leaf written once, straight into its placement."""
+  # Initialised as one stack and cut at the groups: every offload setting starts
+  # from the same weights, so their losses can be compared step by step.
+  one_stack = Llama(setup.model, remat.layer_groups(setup.model.num_layers))
+  return init_params(one_stack, jax.random.PRNGKey(setup.config.train.seed),
+                     jnp.zeros((1, 2), jnp.int32), setup.param_shardings, groups=setup.groups)
+
+
+def _loss_and_grads(setup: Setup, params, tokens):
+  """Mean loss and gradients over the micro-batches, the gradients in device memory."""
+  model = setup.llama
+
+  def grad_fn(params, tokens):
+    value_and_grad = jax.value_and_grad(
+        lambda p: next_token_loss(model.apply({"params": p}, tokens), tokens))
+    # Gradients of weights kept in host memory arrive there.
+    return jax.tree.map(to_device, value_and_grad(params))
+
+  if setup.micro_batches == 1:
+    return grad_fn(params, tokens)
+  split = tokens.reshape(setup.micro_batches, -1, tokens.shape[-1])
+
+  def accumulate(total, micro):
+    return jax.tree.map(jnp.add, total, grad_fn(params, micro)), None
+
+  # Summed in float32 whatever the leaves' dtype.
+  zeros = (jnp.zeros(()), jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+  (loss, grads), _ = jax.lax.scan(accumulate, zeros, split)
+  return jax.tree.map(lambda x: x / setup.micro_batches, (loss, grads))

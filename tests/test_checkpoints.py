@@ -1,0 +1,107 @@
+"""Checkpoints: a resumed run continues exactly, into the same memory kinds, even after a kill."""
+
+import re
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from jaxoffload.train import Trainer, load_config, resolve, train
+from jaxoffload.train import checkpoints as ckpt
+
+QUIET = lambda _: None
+HOST_KERNEL = ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5",
+               "optimizer.optimizer_offload_update_on=host_kernel"]
+
+
+@pytest.mark.parametrize("offload", [
+    [], pytest.param(["optimizer.optimizer_cpu_offload=True",
+                      "optimizer.optimizer_offload_fraction=0.5"], marks=pytest.mark.slow),
+    HOST_KERNEL + ["optimizer.delayed_update=True"],
+    pytest.param(HOST_KERNEL, marks=pytest.mark.slow),
+    pytest.param(HOST_KERNEL + ["optimizer.delayed_update=True",
+                                "optimizer.offload_transfer_dtype=bfloat16", "model.dtype=bfloat16"],
+                 marks=pytest.mark.slow),
+    pytest.param(HOST_KERNEL + ["optimizer.delayed_update=True",
+                                "optimizer.delayed_update_predict_weights=True"],
+                 marks=pytest.mark.slow),
+], ids=["plain", "optimizer-offload", "host-kernel-delayed", "host-kernel",
+        "host-kernel-delayed-bfloat16", "host-kernel-delayed-predicted"])
+def test_resume_continues_exactly(tmp_path, offload):
+  whole = train(load_config(None, ["train.train_iters=10", *offload]), log=QUIET)
+  with_checkpoints = load_config(None, ["train.train_iters=10", f"checkpoint.dir={tmp_path}",
+                                        "checkpoint.save_interval=100", *offload])
+  first = train(with_checkpoints, log=QUIET, stop_after_step=5)
+  logged = []
+  second = train(with_checkpoints, log=logged.append)
+  assert logged[0] == f"resumed from step 5 in {tmp_path}"
+  np.testing.assert_array_equal(first + second, whole)
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["10", "5"]
+
+
+KILL_DURING_SAVE = """
+import os, signal, sys
+from jaxoffload.train import load_config, train
+
+real_rename = os.rename
+
+def rename(src, dst, *args, **kwargs):
+  # Orbax writes a checkpoint into a temporary directory and renames it when
+  # complete: dying just before that rename is dying in the middle of a save.
+  if os.path.basename(os.fspath(dst)) == sys.argv[2]:
+    os.kill(os.getpid(), signal.SIGKILL)
+  return real_rename(src, dst, *args, **kwargs)
+
+os.rename = rename
+train(load_config(None, sys.argv[3:]), log=lambda _: None)
+"""
+
+
+@pytest.mark.slow
+def test_a_run_killed_during_a_save_resumes_from_the_last_complete_checkpoint(tmp_path):
+  overrides = ["train.train_iters=10", f"checkpoint.dir={tmp_path}", "checkpoint.save_interval=3",
+               "optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5"]
+  killed = subprocess.run([sys.executable, "-c", KILL_DURING_SAVE, "-", "6", *overrides],
+                          capture_output=True, text=True, timeout=600, check=False)
+  assert killed.returncode == -9, killed.stderr[-2000:]
+  leftovers = sorted(p.name for p in tmp_path.iterdir())
+  assert "3" in leftovers and "6" not in leftovers
+  assert any(name.startswith("6.") for name in leftovers), leftovers  # The unfinished save.
+  logged = []
+  resumed = train(load_config(None, overrides), log=logged.append)
+  assert logged[0] == f"resumed from step 3 in {tmp_path}"
+  whole = train(load_config(None, overrides[:1] + overrides[3:]), log=QUIET)
+  np.testing.assert_array_equal(resumed, whole[3:])
+
+
+def test_offloaded_state_is_restored_into_pinned_host(tmp_path):
+  config = load_config(None, ["optimizer.optimizer_cpu_offload=True",
+                              "optimizer.optimizer_offload_fraction=0.5",
+                              "model.cpu_offloading=True", "model.cpu_offloading_num_layers=2",
+                              "model.cpu_offloading_weights=True", f"checkpoint.dir={tmp_path}"])
+  saved, restored = Trainer(resolve(config)), Trainer(resolve(config))
+  kinds = lambda tree: [x.sharding.memory_kind for x in jax.tree.leaves(tree)]
+  assert "pinned_host" in kinds(saved.params) and "pinned_host" in kinds(saved.opt_state)
+  checkpoints = ckpt.manager(config)
+  saved.step(saved.setup.global_batch(0))  # Restored values must differ from fresh ones.
+  ckpt.save(checkpoints, 1, saved)
+  checkpoints.wait_until_finished()
+  ckpt.restore(checkpoints, 1, restored)
+  state = lambda t: (t.params, t.opt_state)
+  assert kinds(state(restored)) == kinds(state(saved))
+  for got, want in zip(jax.tree.leaves(state(restored)), jax.tree.leaves(state(saved))):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_nan_stop_keeps_the_last_good_checkpoint(tmp_path):
+  config = load_config(None, ["train.train_iters=8", "optimizer.lr=1e30", "optimizer.min_lr=1e29",
+                              "optimizer.lr_warmup_iters=0", f"checkpoint.dir={tmp_path}",
+                              "checkpoint.save_interval=1"])
+  with pytest.raises(FloatingPointError) as stop:
+    train(config, log=QUIET)
+  step = int(re.search(r"at step (\d+)", str(stop.value)).group(1))
+  saved = sorted(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit())
+  assert saved and max(saved) == step - 1
+  assert f"the newest good checkpoint is step {step - 1}" in str(stop.value)
