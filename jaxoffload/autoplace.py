@@ -1,7 +1,6 @@
 """Choosing where offloaded optimizer state updates, from what this machine measures.
 
-Both exact placements add copies and work to every step that nothing hides
-(docs/benchmarks/h200_report.md):
+Both exact placements add copies and work to every step that nothing hides:
 
 - ``device``: the Adam moments of the offloaded leaves come to the device and
   go back, one direction at a time.
@@ -9,13 +8,12 @@ Both exact placements add copies and work to every step that nothing hides
   gradients go back (in float32, or bfloat16 with ``offload_transfer_dtype``),
   then the host's cores update weights and moments.
 
-On an H200, with the rates it measured itself, the trainer predicted +0.350 s
-for the device placement at fraction 1.0 (measured +0.34 s) and +0.416 s for
-the host kernel (measured +0.39 to +0.42 s), and chose the device.
 ``measure_machine`` times one copy each way and one call of the host kernel;
 ``choose`` prices each placement and picks the cheaper; within ``TIE`` of each
 other, the host kernel, which also takes the weights off the device. XLA's own
-host computation (``host``) runs on one core and is never chosen.
+host computation (``host``) runs on one core and is never chosen. How close
+the predictions come to measured step times:
+[performance](../docs/performance.md#optimizer-offload).
 """
 
 from __future__ import annotations
@@ -32,7 +30,7 @@ from jaxoffload._compat import DEVICE_KIND, PINNED_HOST
 _PROBE_BYTES = 256 * 2**20
 _PROBE_ELEMENTS = 32 * 2**20
 _REPEATS = 3
-# Predictions this close are a tie (the H200's errors were up to 7%).
+# Predictions this close are a tie: within the predictions' own error.
 TIE = 0.1
 
 
@@ -103,7 +101,7 @@ def measure_machine(device: jax.Device | None = None) -> Machine:
   from jaxoffload import host_adam
 
   # Filled, not zeros: untouched zero pages are all one page, which the kernel
-  # reads from cache; on the H200 that gave 7.8 G params/s against a step's 4.4.
+  # reads from cache, far faster than it reads a training step's gradients.
   weights, grads, mu, nu = (np.full(_PROBE_ELEMENTS, 0.5, np.float32) for _ in range(4))
   update = lambda: host_adam.adamw_update(weights, grads, mu, nu, learning_rate=0.0, count=1)
   rate = _PROBE_ELEMENTS / _best_seconds(update)

@@ -92,9 +92,9 @@ def offload_preset(name: str) -> dict[str, Placement]:
   return check_placements({n: Placement.OFFLOAD for n in OFFLOAD_PRESETS[name]})
 
 
-# What offloaded layers do unless told otherwise: on an H200 at TinyLlama's
-# shape, offloading q/k/v and recomputing the rest was the fastest offload
-# policy, and offloading every name the slowest (docs/benchmarks/activation_offload.md).
+# What offloaded layers do unless told otherwise: offloading q/k/v and
+# recomputing the rest was the fastest offload policy, offloading every name
+# the slowest (docs/performance.md#activation-offload).
 DEFAULT_OFFLOAD_PRESET = "qkv"
 OFFLOAD_DEFAULT = offload_preset(DEFAULT_OFFLOAD_PRESET)
 

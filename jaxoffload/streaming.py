@@ -66,8 +66,9 @@ def run_streamed(fn: ElementwiseFn, scalars: Sequence[Any], device_inputs: Seque
 
   With ``overlap`` each iteration also fetches the next piece, which depends
   only on host state, so that XLA may copy it in while this piece updates and
-  goes back (double buffering: one more piece of device memory). On an H200
-  that gained nothing: XLA:GPU ran the loop's copies one at a time.
+  goes back (double buffering: one more piece of device memory). XLA:GPU may
+  still run the loop's copies one at a time
+  ([performance](../docs/performance.md#optimizer-offload)).
   """
   shape = device_inputs[0].shape
   size = math.prod(shape)
@@ -104,7 +105,7 @@ def run_streamed(fn: ElementwiseFn, scalars: Sequence[Any], device_inputs: Seque
     following = fetch(host_pieces, jnp.minimum(index + 1, count - 1))
     # Reading piece i + 1 before piece i is written back lets XLA write the host
     # buffer in place; left unordered, XLA:GPU copied the whole buffer in every
-    # iteration (a 512 MB leaf took 3.9 s instead of 22 ms on the H200).
+    # iteration (tests/test_gpu.py looks for such copies).
     following, host_pieces = jax.lax.optimization_barrier((following, host_pieces))
     return (*update(index, device_pieces, host_pieces, fetched), following)
 

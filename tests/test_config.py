@@ -1,5 +1,6 @@
 """Configuration: YAML and overrides, key and type checks, and the reference system's rules."""
 
+import dataclasses
 import glob
 import re
 
@@ -7,6 +8,7 @@ import pytest
 
 from jaxoffload import remat
 from jaxoffload.train import ConfigError, load_config, rules
+from jaxoffload.train import reference
 from jaxoffload.train.loading import parse_override
 
 
@@ -167,3 +169,43 @@ def test_every_shipped_config_loads(path):
 def test_host_kernel_settings_are_checked(overrides, message):
   with pytest.raises(ConfigError, match=re.escape(message)):
     load_config(None, overrides)
+
+
+def test_the_config_reference_is_generated_from_the_schema():
+  with open("docs/config.md") as f:
+    assert f.read() == reference.reference(), (
+        "docs/config.md is stale: python -m jaxoffload.train.reference > docs/config.md")
+
+
+def test_a_key_without_documentation_is_refused():
+  @dataclasses.dataclass(frozen=True)
+  class Section:
+    """``section.*``: two keys.
+
+    Attributes:
+      documented: a key with its meaning.
+    """
+
+    documented: int = 0
+    undocumented: int = 1
+
+  with pytest.raises(ValueError, match="Section.undocumented has no entry"):
+    reference.section("section", Section)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.seq_length=0", "model.seq_length must be at least 2, got 0"),
+    ("model.num_layers=0", "model.num_layers must be at least 1, got 0"),
+    ("model.hidden_size=66", "model.hidden_size (66) must be an even multiple of "
+                             "model.num_attention_heads (4)"),
+    ("model.num_query_groups=3", "model.num_attention_heads (4) must be a multiple of "
+                                 "model.num_query_groups (3)"),
+    ("optimizer.lr=0", "optimizer.lr must be > 0 and optimizer.min_lr in [0, lr], got lr=0.0"),
+    ("optimizer.adam_beta2=1.0", "optimizer.adam_beta2 must be in [0, 1), got 1.0"),
+    ("optimizer.weight_decay=-0.1", "optimizer.weight_decay must be at least 0, got -0.1"),
+    ("mesh.fsdp=0", "mesh.fsdp must be at least 1, got 0"),
+    ("optimizer.clip_grad=.nan", "optimizer.adam_eps and optimizer.clip_grad must be > 0"),
+])
+def test_sizes_and_ranges_are_checked_at_load(override, message):
+  with pytest.raises(ConfigError, match=re.escape(message)):
+    load_config(None, [override])
