@@ -8,6 +8,7 @@ peak device memory, the activation bytes the arithmetic says offload moves,
 and the median step time.
 
   python benchmarks/activation_offload.py --out docs/benchmarks/activation_offload
+  python benchmarks/activation_offload.py --size miniature --seq 64 --steps 2  # On a CPU.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from common import median, metadata, run_children, time_steps, write_report
 SIZES = {
     # TinyLlama-1.1B.
     "tinyllama": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_layers=22,
-                      num_heads=32, num_kv_heads=4),
+                      num_attention_heads=32, num_query_groups=4),
     "miniature": dict(vocab_size=256, hidden_size=64, intermediate_size=176, num_layers=4,
-                      num_heads=4, num_kv_heads=2),
+                      num_attention_heads=4, num_query_groups=2),
 }
 
 
@@ -57,10 +58,10 @@ def measure(mode: str, size: str, batch: int, seq: int, steps: int) -> dict:
   import jax.numpy as jnp
 
   import jaxoffload
-  from jaxoffload.model import (Llama, LlamaConfig, init_params, next_token_loss,
-                                offloaded_activation_bytes, regroup)
+  from jaxoffload.memory import offloaded_activation_bytes
+  from jaxoffload.model import Llama, LlamaConfig, init_params, next_token_loss, regroup
 
-  config = LlamaConfig(**SIZES[size], max_seq_len=seq, dtype=jnp.bfloat16)
+  config = LlamaConfig(**SIZES[size], seq_length=seq, dtype="bfloat16")
   groups = groups_for(mode, config.num_layers)
   model = Llama(config, groups)
   tokens = jax.random.randint(jax.random.PRNGKey(1), (batch, seq), 0, config.vocab_size)

@@ -13,10 +13,10 @@ the delayed runs read predicted weights
 largest gap from the no-offload one, per step and as a moving average over
 ``--window`` steps.
 
-The default text is the package's own source, which changes with the code and
-which a 1.1B model learns by heart within 300 steps; ``--stdlib-corpus FILE``
-writes the Python standard library's sources (tens of MB, fixed for a Python
-version) to FILE and trains on that instead.
+The default text is the trainer's shipped corpus, which a 1.1B model learns
+by heart within a few hundred steps; ``--stdlib-corpus FILE`` writes the Python
+standard library's sources (tens of MB, fixed for a Python version) to FILE
+and trains on that instead.
 """
 
 from __future__ import annotations
@@ -30,8 +30,7 @@ import sysconfig
 import numpy as np
 
 from common import metadata, write_report
-from jaxoffload.config import load_config
-from jaxoffload.train import train
+from jaxoffload.train import load_config, train
 
 HOST_KERNEL = ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=1.0",
                "optimizer.optimizer_offload_update_on=host_kernel"]

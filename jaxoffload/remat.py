@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Callable, Mapping, Optional, Union
+from typing import Callable, Mapping, Optional, Sequence, Union
 
 import jax
 
@@ -47,17 +47,22 @@ SAVE_NAMED = {name: Placement.SAVE for name in ACTIVATION_NAMES}
 RECOMPUTE_ALL = {name: Placement.RECOMPUTE for name in ACTIVATION_NAMES}
 OFFLOAD_ALL = {name: Placement.OFFLOAD for name in ACTIVATION_NAMES}
 
-def check_placements(placements: Mapping[str, Union[Placement, str]]) -> dict[str, Placement]:
+def check_placements(placements: Mapping[str, Union[Placement, str]], *,
+                     names: Sequence[str] = ACTIVATION_NAMES) -> dict[str, Placement]:
   """Returns a placement for every activation name; names left out are recomputed.
+
+  Args:
+    placements: a placement (or its value, "save", "offload", "recompute") per name.
+    names: the names the model tags with ``checkpoint_name``; default: ``model.Llama``'s.
 
   Raises:
     ValueError: naming an unknown activation name or placement.
   """
-  unknown = sorted(set(placements) - set(ACTIVATION_NAMES))
+  unknown = sorted(set(placements) - set(names))
   if unknown:
-    raise ValueError(f"unknown activation names {unknown}; known: {list(ACTIVATION_NAMES)}")
+    raise ValueError(f"unknown activation names {unknown}; known: {list(names)}")
   checked = {}
-  for name in ACTIVATION_NAMES:
+  for name in names:
     value = placements.get(name, Placement.RECOMPUTE)
     try:
       checked[name] = Placement(value)
@@ -99,14 +104,23 @@ DEFAULT_OFFLOAD_PRESET = "qkv"
 OFFLOAD_DEFAULT = offload_preset(DEFAULT_OFFLOAD_PRESET)
 
 
-def remat_policy(placements: Mapping[str, Union[Placement, str]]) -> Callable[..., object]:
+def remat_policy(placements: Mapping[str, Union[Placement, str]], *,
+                 names: Sequence[str] = ACTIVATION_NAMES) -> Callable[..., object]:
   """The ``jax.checkpoint`` policy that places each named activation as asked.
+
+  Args:
+    placements: as ``check_placements``: names left out are recomputed.
+    names: the names your model tags with ``checkpoint_name``; default: ``model.Llama``'s.
+
+  Returns:
+    A policy for ``jax.checkpoint`` or ``flax.linen.remat``: offloaded names go to
+    ``pinned_host`` after the forward pass and come back for the backward.
 
   Example:
     >>> policy = remat_policy({"query_proj": "offload", "layer_input": "save"})
     >>> layer = jax.checkpoint(layer_fn, policy=policy)
   """
-  checked = check_placements(placements)
+  checked = check_placements(placements, names=names)
   saved = [name for name, p in checked.items() if p is Placement.SAVE]
   offloaded = [name for name, p in checked.items() if p is Placement.OFFLOAD]
   if not offloaded:

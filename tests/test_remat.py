@@ -26,6 +26,14 @@ def test_unknown_name_or_placement_is_refused():
     remat.check_placements({"mlp_up": "host"})
 
 
+def test_a_models_own_names_are_checked_against_that_model():
+  checked = remat.check_placements({"hidden": "offload"}, names=("block_input", "hidden"))
+  assert checked == {"block_input": Placement.RECOMPUTE, "hidden": Placement.OFFLOAD}
+  with pytest.raises(ValueError, match=r"unknown activation names \['query_proj'\]; known: "
+                                       r"\['block_input', 'hidden'\]"):
+    remat.remat_policy({"query_proj": "offload"}, names=("block_input", "hidden"))
+
+
 @pytest.mark.parametrize("n, expected", [
     (0, [(0, 4, None)]),
     (1, [(0, 1, "offload"), (1, 4, None)]),

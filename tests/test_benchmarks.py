@@ -1,0 +1,38 @@
+"""The scripts behind docs/performance.md: each explains itself, and the quick ones run on a CPU."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+SCRIPTS = sorted(p for p in glob.glob("benchmarks/*.py") if not p.endswith("common.py"))
+
+
+def run(*args, timeout=300):
+  return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout,
+                        check=False, env=dict(os.environ, PYTHONPATH="."))
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_benchmark_has_help(script):
+  done = run(script, "--help")
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert done.stdout.startswith("usage: ") and "--out" in done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args, rows", [
+    (["benchmarks/host_adam.py", "--params", "1", "--repeats", "1"], "method"),
+    (["benchmarks/copy_duplex.py", "--gib", "0.01", "--repeats", "2"], "copies"),
+    (["benchmarks/activation_offload.py", "--size", "miniature", "--seq", "32", "--batch", "2",
+      "--steps", "1", "--modes", "save,offload:all:qkv"], "mode"),
+])
+def test_the_quick_benchmarks_run_on_a_cpu(tmp_path, args, rows):
+  done = run(*args, "--out", str(tmp_path / "out"))
+  assert done.returncode == 0, done.stderr[-2000:]
+  results = json.loads((tmp_path / "out.json").read_text())["results"]
+  assert results and all(rows in r for r in results)
+  assert (tmp_path / "out.md").read_text().startswith("# ")
