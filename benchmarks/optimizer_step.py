@@ -34,6 +34,20 @@ def llama_shapes(layout: str, size: str = "tinyllama") -> dict:
           "lm_head": (hidden, vocab)}
 
 
+def optimizer(fraction: float, update_on: str, chunk_mib: int, baseline: bool):
+  """offload_adamw with this run's streaming chunk size; plain optax.adamw for the baseline."""
+  import optax
+
+  import jaxoffload
+
+  if baseline:
+    return optax.adamw(1e-4)
+  return optax.chain(
+      jaxoffload.scale_by_offloaded_adam(offload_fraction=fraction, update_on=update_on,
+                                         chunk_bytes=chunk_mib * 2**20),
+      optax.add_decayed_weights(1e-4), optax.scale_by_learning_rate(1e-4))
+
+
 def measure(fraction: float, update_on: str, layout: str, size: str, steps: int,
             chunk_mib: int) -> dict:
   """Builds params, gradients and state on the default device; times the donated step."""
@@ -53,15 +67,10 @@ def measure(fraction: float, update_on: str, layout: str, size: str, steps: int,
     return treedef.unflatten([0.02 * jax.random.normal(k, s, jnp.float32) for k, s in zip(keys, leaves)])
 
   params = make(jax.random.PRNGKey(0))
-  if fraction == 0.0 and update_on == "device":
-    opt = optax.adamw(1e-4)  # The no-offload baseline: plain optax.
-  else:
-    opt = optax.chain(  # offload_adamw, with the streaming chunk size of this run.
-        jaxoffload.scale_by_offloaded_adam(offload_fraction=fraction, update_on=update_on,
-                                           chunk_bytes=chunk_mib * 2**20),
-        optax.add_decayed_weights(1e-4), optax.scale_by_learning_rate(1e-4))
+  baseline = fraction == 0.0 and update_on == "device"
+  opt = optimizer(fraction, update_on, chunk_mib, baseline)
   state = opt.init(params)
-  plan = None if fraction == 0.0 and update_on == "device" else jaxoffload.find_offload_plan(state)
+  plan = None if baseline else jaxoffload.find_offload_plan(state)
 
   def step(params, state):
     # Stands in for a backward pass: gradients materialised in device memory,

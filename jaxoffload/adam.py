@@ -47,6 +47,42 @@ def _is_static_number(x: Any) -> bool:
   return isinstance(x, (int, float))
 
 
+def _zeros(leaf: Any, offloaded: bool, dtype: Optional[Any] = None) -> jax.Array:
+  """A zero moment for ``leaf``, in pinned_host if ``offloaded``, else beside the leaf."""
+  dtype = dtype or leaf.dtype
+  sharding = None if isinstance(leaf, jax.core.Tracer) else getattr(leaf, "sharding", None)
+  if sharding is None:  # Traced: jit's sharding propagation places the zeros.
+    moment = jnp.zeros(leaf.shape, dtype)
+    return to_host(moment) if offloaded else moment
+  if offloaded:
+    # Filled from host zeros, so init never holds offloaded moments in device
+    # memory, even briefly.
+    return jax.device_put(np.zeros(leaf.shape, dtype), sharding.with_memory_kind(PINNED_HOST))
+  return jnp.zeros(leaf.shape, dtype, device=sharding.with_memory_kind(DEVICE_KIND))
+
+
+def _elementwise_adam(hyper: dict, dynamic: tuple[str, ...], mu_dtype: Optional[Any]):
+  """Adam's moment update and direction as ``streaming``'s elementwise function.
+
+  Its scalars are the step count and the ``dynamic`` hyperparameters' values;
+  the others are the numbers in ``hyper``.
+  """
+
+  def adam(scalars, device_in, host_in):
+    count, *values = scalars
+    h = {**hyper, **dict(zip(dynamic, values))}
+    (g,), (mu, nu) = device_in, host_in
+    new_mu = otu.tree_update_moment(g, mu, h["b1"], 1)
+    new_nu = otu.tree_update_moment_per_elem_norm(g, nu, h["b2"], 2)
+    mu_hat = otu.tree_bias_correction(new_mu, h["b1"], count)
+    nu_hat = otu.tree_bias_correction(new_nu, h["b2"], count)
+    # optax adds eps_root (0.0 in optax.adamw) inside the root; keep its ops.
+    direction = mu_hat / (jnp.sqrt(nu_hat + 0.0) + h["eps"])
+    return (direction,), (otu.tree_cast(new_mu, mu_dtype), new_nu.astype(nu.dtype))
+
+  return adam
+
+
 def scale_by_offloaded_adam(
     b1: float = 0.9,
     b2: float = 0.999,
@@ -117,26 +153,13 @@ def scale_by_offloaded_adam(
     _check_float_leaves(params)
     plan = plan_offload(params, offload_fraction=check_fraction(offload_fraction),
                         offload_mask=offload_mask)
-
-    def zeros(leaf, offloaded, dtype=None):
-      dtype = dtype or leaf.dtype
-      sharding = None if isinstance(leaf, jax.core.Tracer) else getattr(leaf, "sharding", None)
-      if sharding is None:  # Traced: jit's sharding propagation places the zeros.
-        moment = jnp.zeros(leaf.shape, dtype)
-        return to_host(moment) if offloaded else moment
-      if offloaded:
-        # Filled from host zeros, so init never holds offloaded moments in
-        # device memory, even briefly.
-        return jax.device_put(np.zeros(leaf.shape, dtype), sharding.with_memory_kind(PINNED_HOST))
-      return jnp.zeros(leaf.shape, dtype, device=sharding.with_memory_kind(DEVICE_KIND))
-
-    mu = jax.tree.map(lambda p, o: zeros(p, o, mu_dtype), params, plan.mask)
-    nu = jax.tree.map(zeros, params, plan.mask)
     count = jnp.zeros([], jnp.int32)
     count_sharding = replicated_like(params)
     if count_sharding is not None:
       count = jax.device_put(count, count_sharding)
-    return ScaleByOffloadedAdamState(count=count, mu=mu, nu=nu, plan=plan)
+    return ScaleByOffloadedAdamState(
+        count=count, mu=jax.tree.map(lambda p, o: _zeros(p, o, mu_dtype), params, plan.mask),
+        nu=jax.tree.map(_zeros, params, plan.mask), plan=plan)
 
   def update_fn(updates, state, params=None):
     del params
@@ -147,26 +170,13 @@ def scale_by_offloaded_adam(
           f"updates do not have the structure the state was initialised with: got "
           f"{treedef}, expected {plan.treedef}")
     count_inc = optax.safe_increment(state.count)
-
     # Hyperparameters given as arrays (optax.inject_hyperparams) are operands the
     # host path must receive in host memory; Python numbers stay compile-time
     # constants, as in optax, so that 1 - b1 is rounded as optax rounds it.
     hyper = {"b1": b1, "b2": b2, "eps": eps}
     dynamic = tuple(k for k, v in hyper.items() if not _is_static_number(v))
     scalars = (count_inc, *(jnp.asarray(hyper[k]) for k in dynamic))
-
-    def adam(scalars, device_in, host_in):
-      count, *values = scalars
-      h = {**hyper, **dict(zip(dynamic, values))}
-      (g,), (mu, nu) = device_in, host_in
-      new_mu = otu.tree_update_moment(g, mu, h["b1"], 1)
-      new_nu = otu.tree_update_moment_per_elem_norm(g, nu, h["b2"], 2)
-      mu_hat = otu.tree_bias_correction(new_mu, h["b1"], count)
-      nu_hat = otu.tree_bias_correction(new_nu, h["b2"], count)
-      # optax adds eps_root (0.0 in optax.adamw) inside the root; keep its ops.
-      direction = mu_hat / (jnp.sqrt(nu_hat + 0.0) + h["eps"])
-      return (direction,), (otu.tree_cast(new_mu, mu_dtype), new_nu.astype(nu.dtype))
-
+    adam = _elementwise_adam(hyper, dynamic, mu_dtype)
     directions, new_mu, new_nu = [], [], []
     for g, mu, nu, offloaded in zip(grads, treedef.flatten_up_to(state.mu),
                                     treedef.flatten_up_to(state.nu), plan.offloaded):

@@ -29,6 +29,8 @@ def test_every_benchmark_has_help(script):
     (["benchmarks/copy_duplex.py", "--gib", "0.01", "--repeats", "2"], "copies"),
     (["benchmarks/activation_offload.py", "--size", "miniature", "--seq", "32", "--batch", "2",
       "--steps", "1", "--modes", "save,offload:all:qkv"], "mode"),
+    (["benchmarks/optimizer_step.py", "--size", "miniature", "--steps", "1", "--fractions", "0.5",
+      "--modes", "device"], "update_on"),
 ])
 def test_the_quick_benchmarks_run_on_a_cpu(tmp_path, args, rows):
   done = run(*args, "--out", str(tmp_path / "out"))
