@@ -1,12 +1,12 @@
 """AdamW on the host's cores, in place, outside any XLA program.
 
 XLA's host computation (``compute_on('device_host')``) runs on one core; a
-numba kernel uses them all ([performance](../docs/performance.md#host-adam)).
-This module is that kernel: ``adamw_update`` applies one AdamW step to float32 arrays in place, with
-optax.adamw's arithmetic, using every core numba is allowed; it also takes
-bfloat16 gradients and writes a copy of the new weights (bfloat16, for a
-device that reads and sends half the bytes, or a delayed update's predicted
-weights).
+numba kernel uses them all (docs/performance.md#host-adam). This module is
+that kernel: ``adamw_update`` applies one AdamW step to float32 arrays in
+place, with optax.adamw's arithmetic, using every core numba is allowed; it
+also takes bfloat16 gradients and writes a copy of the new weights (bfloat16,
+for a device that reads and sends half the bytes, or a delayed update's
+predicted weights).
 
 It works on numpy arrays. ``writable_view`` gives one over the memory of a
 single-shard JAX array in host memory, so the kernel can update JAX's pinned
@@ -53,14 +53,14 @@ def _kernel():
     return np.uint16(np.uint32(bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)
 
   @numba.njit(parallel=True, cache=True)
-  def step(param, out, grad, grad_bf16, copy_bf16, copy_f32, mu, nu, lr, b1, b2,
+  def step(param, out, grad, grad_bf16, copy_bf16, copy_f32, mu, nu, grad_scale, lr, b1, b2,
            one_minus_b1, one_minus_b2, eps, weight_decay, bias1, bias2, grad_is_bf16, copy_kind,
            predict):
     # Element by element, as optax.adamw: moments, bias correction, decoupled
     # weight decay, learning rate. Scalars are float32, so is the arithmetic.
     # bfloat16 arrays come as their uint16 bits.
     for i in numba.prange(param.size):
-      g = widen(grad_bf16[i]) if grad_is_bf16 else grad[i]
+      g = (widen(grad_bf16[i]) if grad_is_bf16 else grad[i]) * grad_scale
       m = b1 * mu[i] + one_minus_b1 * g
       v = b2 * nu[i] + one_minus_b2 * (g * g)
       mu[i] = m
@@ -81,7 +81,7 @@ def _kernel():
 
 def adamw_update(param: np.ndarray, grad: np.ndarray, mu: np.ndarray, nu: np.ndarray, *,
                  learning_rate: float, count: int, b1: float = 0.9, b2: float = 0.999,
-                 eps: float = 1e-8, weight_decay: float = 1e-4,
+                 eps: float = 1e-8, weight_decay: float = 1e-4, grad_scale: float = 1.0,
                  out: np.ndarray | None = None, copy: np.ndarray | None = None,
                  predict: bool = False) -> None:
   """One AdamW step on float32 arrays, in place, on every core numba may use.
@@ -93,6 +93,7 @@ def adamw_update(param: np.ndarray, grad: np.ndarray, mu: np.ndarray, nu: np.nda
     learning_rate: this step's learning rate.
     count: the step number, from 1, for the bias corrections.
     b1, b2, eps, weight_decay: as ``optax.adamw``.
+    grad_scale: multiplies the gradient first (global-norm clipping's factor).
     out: where the new parameters go; None: into ``param``.
     copy: a bfloat16 or float32 array that also receives the new parameters
       (bfloat16 rounded to nearest even, as XLA's conversion does).
@@ -139,7 +140,7 @@ def adamw_update(param: np.ndarray, grad: np.ndarray, mu: np.ndarray, nu: np.nda
             mu.reshape(-1), nu.reshape(-1),
             # optax takes 1 - b1 in Python's float64 and rounds it once: 0.1, not
             # float32(1) - float32(0.9) = 0.100000024.
-            f32(learning_rate), f32(b1), f32(b2), f32(1 - b1), f32(1 - b2),
+            f32(grad_scale), f32(learning_rate), f32(b1), f32(b2), f32(1 - b1), f32(1 - b2),
             f32(eps), f32(weight_decay), f32(1 - b1**count), f32(1 - b2**count), grad_is_bf16,
             copy_kind, predict)
 

@@ -25,8 +25,9 @@ With ``device_dtypes`` bfloat16 for a leaf, the device reads a bfloat16 copy
 of its weights that the kernel writes beside the float32 ones, and sends its
 gradient in bfloat16: half the bytes each way. A model that multiplies in
 bfloat16 rounds those weights to the same bfloat16 values itself, so only
-the gradient's rounding is new; the moments and the weights the host keeps
-stay float32.
+the gradient's rounding is new (none when the gradient comes out of a
+bfloat16 matmul already); the moments and the weights the host keeps stay
+float32.
 
 The update writes into JAX arrays behind JAX's back (``host_adam.writable_view``):
 keep to the loop below (dispatch the step, then ``update``), and never pass
@@ -36,9 +37,9 @@ keep to the loop below (dispatch the step, then ``update``), and never pass
 Example:
   >>> host = HostAdamW(offloaded_weights, learning_rate=schedule, weight_decay=0.1)
   >>> for tokens in batches:
-  ...   device_weights, opt_state, grads, loss = step(
+  ...   device_weights, opt_state, grads, clip_scale, loss = step(
   ...       device_weights, host.params, opt_state, tokens)
-  ...   host.update(grads)
+  ...   host.update(grads, clip_scale)
   >>> host.finish()
 """
 
@@ -75,6 +76,19 @@ def _copy(array: jax.Array, dtype=None) -> jax.Array:
   # Cast on the device: XLA would run a cast in host memory on one host core.
   cast = lambda x: to_host(to_device(x).astype(dtype)) if dtype else jnp.copy(x)
   return jax.jit(cast, out_shardings=array.sharding)(array)
+
+
+def _read_scalar(value: Union[float, jax.Array]) -> float:
+  """A ready scalar's value; read in place from host memory when it is there.
+
+  Converting a device scalar goes through a transfer, which may queue behind
+  the device step in flight.
+  """
+  if isinstance(value, jax.Array):
+    shard = value.addressable_shards[0]
+    if value.sharding.memory_kind == "pinned_host" or shard.device.platform == "cpu":
+      return float(host_adam.writable_view(shard.data))
+  return float(np.asarray(value))
 
 
 def _gather(shards: Sequence[np.ndarray], like: jax.Array) -> jax.Array:
@@ -141,7 +155,7 @@ class HostAdamW:
     self._place(params)
     self._mu = [[np.zeros_like(v) for v in views[0]] for views in self._weight_views]
     self._nu = [[np.zeros_like(v) for v in views[0]] for views in self._weight_views]
-    self._held: Optional[Sequence[jax.Array]] = None
+    self._held: Optional[tuple[Sequence[jax.Array], jax.Array]] = None
     self.count = 0  # Updates applied.
 
   def _place(self, weights: Sequence[jax.Array]) -> None:
@@ -199,28 +213,30 @@ class HostAdamW:
     """The float32 weights with every update applied so far."""
     return [leaf[self._current % len(leaf)] for leaf in self._weights]
 
-  def update(self, grads: Sequence[jax.Array]) -> None:
+  def update(self, grads: Sequence[jax.Array], grad_scale: Union[float, jax.Array] = 1.0
+             ) -> None:
     """Applies ``grads`` (one per leaf, in host memory), or with ``delayed`` the previous call's.
 
-    Call it right after dispatching the device step that produced ``grads``
-    (clipped there, if at all): it waits for what it applies.
+    Call it right after dispatching the device step that produced ``grads``:
+    it waits for what it applies. ``grad_scale`` multiplies the gradients
+    first (global-norm clipping's factor, computed on the device).
     """
     if not self.delayed or (self._held is None and self.count < self.delay_after):
       # Exact: the step that read the current weights has finished (its
       # gradients are waited for), and the next is not yet dispatched.
-      self._apply(grads, into=self._current)
+      self._apply(grads, grad_scale, into=self._current)
       return
-    held, self._held = self._held, grads
+    held, self._held = self._held, (grads, grad_scale)
     if held is not None:
       # The other buffer was last read by the step before the one just
       # dispatched, which finished before its gradients (waited for in _apply).
-      self._apply(held, into=1 - self._current, predict=self.predict_weights)
+      self._apply(*held, into=1 - self._current, predict=self.predict_weights)
 
   def finish(self) -> None:
     """Applies the held gradients, if any, so that ``params`` has every update."""
     if self._held is not None:
       held, self._held = self._held, None
-      self._apply(held, into=1 - self._current)
+      self._apply(*held, into=1 - self._current)
 
   def checkpoint(self) -> dict:
     """The host state as new JAX arrays in host memory, for orbax to save.
@@ -240,7 +256,7 @@ class HostAdamW:
              "mu": [_gather(shards, p) for shards, p in zip(self._mu, self.weights)],
              "nu": [_gather(shards, p) for shards, p in zip(self._nu, self.weights)]}
     if self._held is not None:
-      state["held_grads"] = list(self._held)
+      state["held_grads"], state["held_scale"] = list(self._held[0]), jnp.asarray(self._held[1])
     return state
 
   def checkpoint_target(self) -> dict:
@@ -252,6 +268,7 @@ class HostAdamW:
       state["device_params"] = [like(p, d) for p, d in zip(self.weights, self._device_dtypes)]
     if self.delayed:
       state["held_grads"] = [like(p, d) for p, d in zip(self.weights, self._device_dtypes)]
+      state["held_scale"] = jax.ShapeDtypeStruct((), jnp.float32)
     return state
 
   def load(self, state: dict) -> None:
@@ -267,7 +284,8 @@ class HostAdamW:
           shard[...] = np.asarray(values.data)
     self.count = int(state["count"])
     self._rates_start, self._rates = self.count, self._schedule_table(self.count)
-    self._held = list(state["held_grads"]) if "held_grads" in state else None
+    self._held = ((list(state["held_grads"]), state["held_scale"])
+                  if "held_grads" in state else None)
 
   def snapshot(self) -> list[np.ndarray]:
     """Copies of the current float32 weights as numpy arrays (for checks and checkpoints)."""
@@ -290,10 +308,12 @@ class HostAdamW:
       self._rates = self._schedule_table(count)
     return float(self._rates[count - self._rates_start])
 
-  def _apply(self, grads: Sequence[jax.Array], into: int, predict: bool = False) -> None:
+  def _apply(self, grads: Sequence[jax.Array], grad_scale, into: int,
+             predict: bool = False) -> None:
     """Applies ``grads`` to the current weights, writing the buffers the device reads as ``into``
     (with ``predict``, the weights one more such update ahead)."""
-    jax.block_until_ready(grads)
+    jax.block_until_ready((grads, grad_scale))
+    scale = _read_scalar(grad_scale)
     self.count += 1
     learning_rate = self._learning_rate(self.count - 1)
     for leaf, grad in enumerate(grads):
@@ -302,7 +322,7 @@ class HostAdamW:
       for shard, grad_view in enumerate(_shard_views(grad)):
         host_adam.adamw_update(source[shard], grad_view, self._mu[leaf][shard],
                                self._nu[leaf][shard], learning_rate=learning_rate,
-                               count=self.count, out=target[shard],
+                               count=self.count, grad_scale=scale, out=target[shard],
                                copy=copies[into][shard] if copies else None, predict=predict,
                                **self._hyper)
     self._current = into

@@ -10,8 +10,11 @@ import shutil
 import tempfile
 
 # Must precede the first jax import: gives the CPU backend 8 devices for mesh tests.
-os.environ["XLA_FLAGS"] = " ".join(
-    filter(None, [os.environ.get("XLA_FLAGS"), "--xla_force_host_platform_device_count=8"]))
+flags = [os.environ.get("XLA_FLAGS"), "--xla_force_host_platform_device_count=8"]
+if shutil.which("nvidia-smi") is None:
+  # The tests' programs are tiny: compiling them fast matters, running them fast does not.
+  flags.append("--xla_backend_optimization_level=0")
+os.environ["XLA_FLAGS"] = " ".join(filter(None, flags))
 # Many tests compile the same tiny programs, in this process and in the ones
 # they start: XLA's persistent cache compiles each once.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:

@@ -63,6 +63,7 @@ def test_without_the_host_kernel_only_the_device_is_priced(machine, host_kernel)
   assert "no other candidate" in str(choice)
 
 
+@pytest.mark.slow
 def test_measured_rates_are_finite_and_positive():
   machine = autoplace.measure_machine()
   for rate in (machine.host_to_device, machine.device_to_host, machine.kernel_rate):
@@ -71,6 +72,7 @@ def test_measured_rates_are_finite_and_positive():
   assert re.search(r"host kernel [\d.]+ G params/s on \d+ threads", str(machine))
 
 
+@pytest.mark.slow
 def test_the_trainer_shows_the_choice_and_trains_exactly():
   offload = ["train.train_iters=4", "optimizer.optimizer_cpu_offload=True",
              "optimizer.optimizer_offload_fraction=1.0"]

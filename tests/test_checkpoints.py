@@ -17,9 +17,9 @@ HOST_KERNEL = ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offl
 
 
 @pytest.mark.parametrize("offload", [
-    [], pytest.param(["optimizer.optimizer_cpu_offload=True",
-                      "optimizer.optimizer_offload_fraction=0.5"], marks=pytest.mark.slow),
-    HOST_KERNEL + ["optimizer.delayed_update=True"],
+    pytest.param([], marks=pytest.mark.slow),
+    ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5"],
+    pytest.param(HOST_KERNEL + ["optimizer.delayed_update=True"], marks=pytest.mark.slow),
     pytest.param(HOST_KERNEL, marks=pytest.mark.slow),
     pytest.param(HOST_KERNEL + ["optimizer.delayed_update=True",
                                 "optimizer.offload_transfer_dtype=bfloat16", "model.dtype=bfloat16"],
@@ -76,6 +76,7 @@ def test_a_run_killed_during_a_save_resumes_from_the_last_complete_checkpoint(tm
   np.testing.assert_array_equal(resumed, whole[3:])
 
 
+@pytest.mark.slow
 def test_offloaded_state_is_restored_into_pinned_host(tmp_path):
   config = load_config(None, ["optimizer.optimizer_cpu_offload=True",
                               "optimizer.optimizer_offload_fraction=0.5",

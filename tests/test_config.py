@@ -4,10 +4,11 @@ import dataclasses
 import glob
 import re
 
+import numpy as np
 import pytest
 
 from jaxoffload import remat
-from jaxoffload.train import ConfigError, load_config, rules
+from jaxoffload.train import ConfigError, load_config, rules, train
 from jaxoffload.train import reference
 from jaxoffload.train.loading import parse_override
 
@@ -137,6 +138,20 @@ def test_distributed_optimizer_on_fsdp_alone_is_accepted():
 @pytest.mark.parametrize("path", sorted(glob.glob("configs/*.yaml")))
 def test_every_shipped_config_loads(path):
   assert load_config(path).train.train_iters >= 1
+
+
+# Every shipped config's offload settings and layer count, at a tiny width.
+TINY_WIDTH = ["model.vocab_size=256", "model.hidden_size=64", "model.intermediate_size=176",
+              "model.num_attention_heads=8", "model.num_query_groups=4", "model.seq_length=32",
+              "train.global_batch_size=2", "train.micro_batch_size=2", "train.train_iters=2",
+              "optimizer.lr_warmup_iters=1", "logging.progress_bar=False"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", sorted(glob.glob("configs/*.yaml")))
+def test_every_shipped_config_trains_at_a_tiny_width(path):
+  losses = train(load_config(path, TINY_WIDTH), log=lambda _: None)
+  assert len(losses) == 2 and all(np.isfinite(losses))
 
 
 @pytest.mark.parametrize("overrides, message", [

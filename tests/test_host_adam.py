@@ -100,15 +100,15 @@ def test_writable_view_refuses_sharded_arrays():
     host_adam.writable_view(sharded)
 
 
-def test_out_of_place(problem):
+def test_out_of_place_and_scaled_gradients(problem):
   param, grads = problem
   in_place, moments = param.copy(), [np.zeros_like(param) for _ in range(4)]
-  host_adam.adamw_update(in_place, grads[0], moments[0], moments[1], learning_rate=1e-2, count=1,
-                         **HYPER)
+  host_adam.adamw_update(in_place, grads[0] * np.float32(0.5), moments[0], moments[1],
+                         learning_rate=1e-2, count=1, **HYPER)
   out = np.empty_like(param)
   source = param.copy()
   host_adam.adamw_update(source, grads[0], moments[2], moments[3], learning_rate=1e-2, count=1,
-                         out=out, **HYPER)
+                         grad_scale=0.5, out=out, **HYPER)
   np.testing.assert_array_equal(source, param)  # Read, not written.
   np.testing.assert_array_equal(out, in_place)
   np.testing.assert_array_equal(moments[2], moments[0])

@@ -32,27 +32,21 @@ def problem():
   return weights, batches
 
 
-def clipped_grads(weights, batch, device_dtypes=None):
-  """Gradients at ``weights`` in float32, clipped by optax, in each leaf's wire dtype."""
-  grads = [g.astype(jnp.float32) for g in jax.grad(loss_fn)(weights, batch)]
-  grads, _ = optax.clip_by_global_norm(CLIP).update(grads, optax.EmptyState())
-  return [g.astype(d) for g, d in zip(grads, device_dtypes or [jnp.float32] * len(grads))]
-
-
 @jax.jit
 def device_step(host_weights, batch):
-  """What a device step sends the host: the clipped gradients of host-resident weights."""
-  weights = [to_device(w) for w in host_weights]
-  return [to_host(g) for g in clipped_grads(weights, batch, [w.dtype for w in weights])]
+  """Gradients of host-resident weights, back in host memory, and the clipping factor."""
+  grads = jax.grad(loss_fn)([to_device(w) for w in host_weights], batch)
+  norm = optax.tree.norm([g.astype(jnp.float32) for g in grads])
+  scale = jnp.where(norm < CLIP, 1.0, CLIP / norm)
+  return [to_host(g) for g in grads], scale
 
 
 def optax_reference(weights, batches, *, delay, delay_after=0, device_dtypes=None,
                     predict=False):
   """optax's clipped AdamW; gradients taken ``delay`` updates late once ``delay_after``
-  updates are applied, at the weights cast to ``device_dtypes`` and sent in them; with
-  ``predict``, at ``2 * w[t - 1] - w[t - 2]`` once the update that made w[t - 1] was itself
-  a delayed one."""
-  opt = optax.adamw(schedule, **HYPER)
+  updates are applied, at the weights cast to ``device_dtypes``; with ``predict``, at
+  ``2 * w[t - 1] - w[t - 2]`` once the update that made w[t - 1] was itself a delayed one."""
+  opt = optax.chain(optax.clip_by_global_norm(CLIP), optax.adamw(schedule, **HYPER))
   state, history = opt.init(weights), [weights]
   cast = lambda ws: [w.astype(d) for w, d in zip(ws, device_dtypes or [jnp.float32] * len(ws))]
   for t, batch in enumerate(batches):
@@ -60,7 +54,8 @@ def optax_reference(weights, batches, *, delay, delay_after=0, device_dtypes=Non
     point = history[max(t - late, 0)]
     if predict and t >= delay_after + 2:
       point = [2 * a - b for a, b in zip(history[t - 1], history[t - 2])]
-    grads = [g.astype(jnp.float32) for g in clipped_grads(cast(point), batch, device_dtypes)]
+    grads = jax.grad(loss_fn)(cast(point), batch)
+    grads = [g.astype(jnp.float32) for g in grads]
     updates, state = opt.update(grads, state, history[-1])
     history.append(optax.apply_updates(history[-1], updates))
   return history[-1]
@@ -75,7 +70,8 @@ def host_run(weights, batches, *, delayed, delay_after=0, shardings=None, device
                    learning_rate=schedule, delayed=delayed, delay_after=delay_after,
                    predict_weights=predict_weights, device_dtypes=device_dtypes, **HYPER)
   for batch in batches:
-    host.update(device_step(host.params, batch))
+    grads, scale = device_step(host.params, batch)
+    host.update(grads, scale)
   host.finish()
   assert host.count == len(batches)
   assert {w.sharding.memory_kind for w in host.params + host.weights} == {"pinned_host"}
@@ -183,7 +179,7 @@ def test_a_loaded_checkpoint_continues_exactly(delayed, delay_after, device_dtyp
 
   def steps(host, batches):
     for batch in batches:
-      host.update(device_step(host.params, batch))
+      host.update(*device_step(host.params, batch))
 
   whole, resumed = make(), make()
   steps(whole, batches)
@@ -211,7 +207,7 @@ def test_the_schedule_is_evaluated_once_per_table_not_at_each_update():
   host = HostAdamW([to_host(jnp.asarray(w)) for w in weights], learning_rate=schedule,
                    delayed=True, **HYPER)
   for batch in batches:
-    host.update(device_step(host.params, batch))
+    host.update(*device_step(host.params, batch))
   host.finish()
   assert len(traced) == 1
   assert host._learning_rate(1500) == pytest.approx(1e-3 * 1501)

@@ -63,7 +63,9 @@ def reference():
   return params, loss_and_grads(SAVE_ALL, params, tokens(1))
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", [
+    mode if mode in ("recompute", "offload-1") else pytest.param(mode, marks=pytest.mark.slow)
+    for mode in MODES])
 def test_loss_and_gradients_equal_saving_everything(mode, reference):
   params, (want_loss, want_grads) = reference
   loss, grads = loss_and_grads(MODES[mode], params, tokens(1))
@@ -84,6 +86,7 @@ def test_regroup_keeps_the_weights():
   assert max_rel_diff(regroup(split, SAVE_ALL), params) == 0.0
 
 
+@pytest.mark.slow
 def test_tied_embeddings_have_no_head():
   config = LlamaConfig(share_embeddings_and_output_weights=True)
   params = init_params(Llama(config, SAVE_ALL), jax.random.PRNGKey(0), tokens())
@@ -119,6 +122,7 @@ def test_offloaded_weights_and_their_gradients_stay_in_pinned_host(reference):
   assert {x.sharding.memory_kind for x in jax.tree.leaves(grads["layers_2_4"])} == {"device"}
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (the CPU backend has them in CI)")
 @pytest.mark.parametrize("mode", ["save-all", "offload-1", "weights-offload"])
 def test_sharded_over_a_mesh_matches_one_device(mode, reference):

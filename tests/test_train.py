@@ -27,6 +27,7 @@ def run_cli(*args):
                         capture_output=True, text=True, timeout=600, check=False)
 
 
+@pytest.mark.slow
 def test_default_run_trains_and_the_loss_falls():
   result = run_cli("train.train_iters=30")
   assert result.returncode == 0, result.stderr
@@ -74,32 +75,46 @@ def baseline_losses():
   return train(load_config(None, [f"train.train_iters={STEPS}"]), log=QUIET)
 
 
+SLOW = pytest.mark.slow
+
+
 @pytest.mark.parametrize("overrides", [
-    ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5",
-     "optimizer.optimizer_offload_update_on=host"],
-    ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5",
-     "optimizer.optimizer_offload_update_on=device"],
-    ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5",
-     "optimizer.optimizer_offload_update_on=device", "optimizer.overlap_cpu_optimizer_d2h_h2d=True"],
-    ["model.cpu_offloading=True", "model.cpu_offloading_num_layers=2"],
-    ["model.cpu_offloading=True", "model.cpu_offloading_num_layers=3",
-     "model.cpu_offloading_weights=True", "optimizer.optimizer_cpu_offload=True",
-     "optimizer.optimizer_offload_fraction=1.0"],
-    ["train.micro_batch_size=4"],
-    [*HOST_KERNEL, "train.micro_batch_size=4"],
-    ["model.cpu_offloading=True", "model.cpu_offloading_num_layers=3",
-     "model.cpu_offloading_weights=True", *HOST_KERNEL[:1],
-     "optimizer.optimizer_offload_fraction=1.0", *HOST_KERNEL[2:]],
-], ids=["optimizer-host", "optimizer-device", "optimizer-device-overlap", "activations",
-        "weights-and-optimizer", "accumulation", "host-kernel", "host-kernel-and-weights"])
+    pytest.param(["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5",
+                  "optimizer.optimizer_offload_update_on=host"], marks=SLOW, id="optimizer-host"),
+    pytest.param(["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5",
+                  "optimizer.optimizer_offload_update_on=device"], id="optimizer-device"),
+    pytest.param(["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5",
+                  "optimizer.optimizer_offload_update_on=device",
+                  "optimizer.overlap_cpu_optimizer_d2h_h2d=True"], marks=SLOW,
+                 id="optimizer-device-overlap"),
+    pytest.param(["model.cpu_offloading=True", "model.cpu_offloading_num_layers=2"], marks=SLOW,
+                 id="activations"),
+    pytest.param(["model.cpu_offloading=True", "model.cpu_offloading_num_layers=3",
+                  "model.cpu_offloading_weights=True", "optimizer.optimizer_cpu_offload=True",
+                  "optimizer.optimizer_offload_fraction=1.0"], marks=SLOW,
+                 id="weights-and-optimizer"),
+    pytest.param(["train.micro_batch_size=4"], marks=SLOW, id="accumulation"),
+    pytest.param([*HOST_KERNEL, "train.micro_batch_size=4"], marks=SLOW, id="host-kernel"),
+    pytest.param(["model.cpu_offloading=True", "model.cpu_offloading_num_layers=3",
+                  "model.cpu_offloading_weights=True", *HOST_KERNEL[:1],
+                  "optimizer.optimizer_offload_fraction=1.0", *HOST_KERNEL[2:]], marks=SLOW,
+                 id="host-kernel-and-weights"),
+    # Activation, weight and host-kernel optimizer offload at once, with accumulation.
+    pytest.param(["model.cpu_offloading=True", "model.cpu_offloading_num_layers=3",
+                  "model.cpu_offloading_weights=True", *HOST_KERNEL[:1],
+                  "optimizer.optimizer_offload_fraction=1.0", *HOST_KERNEL[2:],
+                  "train.micro_batch_size=4"], id="host-kernel-weights-activations-accumulation"),
+])
 def test_losses_equal_the_baseline(overrides, baseline_losses):
   losses = train(load_config(None, [f"train.train_iters={STEPS}", *overrides]), log=QUIET)
   assert baseline_losses[-1] < baseline_losses[0]
   np.testing.assert_allclose(losses, baseline_losses, rtol=1e-5)
 
 
-@pytest.mark.parametrize("overrides", [[], ["optimizer.optimizer_cpu_offload=True",
-                                            "optimizer.optimizer_offload_fraction=0.5"]])
+@pytest.mark.parametrize("overrides", [
+    pytest.param([], marks=SLOW, id="no-offload"),
+    pytest.param(["optimizer.optimizer_cpu_offload=True",
+                  "optimizer.optimizer_offload_fraction=0.5"], id="optimizer-offload")])
 def test_train_step_compiles_once(overrides):
   setup = resolve(load_config(None, overrides))
   trainer = Trainer(setup)
@@ -108,6 +123,7 @@ def test_train_step_compiles_once(overrides):
   assert trainer._step._cache_size() == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("offload", [[], ["model.cpu_offloading=True",
                                          "model.cpu_offloading_num_layers=2",
                                          "optimizer.optimizer_cpu_offload=True",
@@ -123,6 +139,7 @@ def test_fsdp_gathers_weights_never_activations(offload):
   assert not [shape for shape in gathered if shape.startswith(activation)], gathered
 
 
+@pytest.mark.slow
 def test_nan_loss_stops_with_the_step():
   config = load_config(None, ["train.train_iters=5", "optimizer.lr=1e30", "optimizer.min_lr=1e29",
                               "optimizer.lr_warmup_iters=0"])
@@ -130,6 +147,7 @@ def test_nan_loss_stops_with_the_step():
     train(config, log=QUIET)
 
 
+@pytest.mark.slow
 def test_text_data_is_learned_and_every_step_goes_to_jsonl(tmp_path):
   log = tmp_path / "steps.jsonl"
   losses = train(load_config(None, ["data.dataset=text", "train.train_iters=40",
@@ -150,6 +168,7 @@ def test_help_shows_examples_and_points_at_the_config_reference(capsys):
   assert "docs/config.md" in out and "--config configs/llama_1b.yaml" in out
 
 
+@pytest.mark.slow
 def test_cuda_graphs_turn_on_xla_command_buffers_for_the_run():
   result = run_cli("model.cuda_graph_impl=local", "train.train_iters=3")
   assert result.returncode == 0, result.stderr
@@ -161,6 +180,7 @@ def test_cuda_graphs_turn_on_xla_command_buffers_for_the_run():
     assert os.environ["XLA_FLAGS"] == f"--xla_dump_to=/tmp/dump {COMMAND_BUFFER_FLAG}"
 
 
+@pytest.mark.slow
 def test_delayed_host_updates_train_one_step_behind(baseline_losses):
   host_kernel = [*HOST_KERNEL[:1], "optimizer.optimizer_offload_fraction=1.0", *HOST_KERNEL[2:],
                  f"train.train_iters={STEPS}"]
@@ -171,29 +191,18 @@ def test_delayed_host_updates_train_one_step_behind(baseline_losses):
   assert delayed[-1] < delayed[0] and abs(delayed[-1] - baseline_losses[-1]) < 0.05 * delayed[0]
 
 
-BFLOAT16_HOST_KERNEL = [f"train.train_iters={STEPS}", "model.dtype=bfloat16", *HOST_KERNEL[:1],
-                        "optimizer.optimizer_offload_fraction=1.0", *HOST_KERNEL[2:]]
-HALVED = ["optimizer.offload_transfer_dtype=bfloat16"]
-
-
-def test_bfloat16_transfers_of_unclipped_gradients_change_no_loss():
+@pytest.mark.slow
+def test_bfloat16_transfers_change_no_loss_and_keep_norm_scales_float32():
   # With one micro-batch the model rounds those weights to bfloat16 itself and
-  # their gradients come out of bfloat16 matmuls: unclipped, halving the copies
-  # changes no number.
-  unclipped = BFLOAT16_HOST_KERNEL + ["optimizer.clip_grad=1e9"]
-  losses = train(load_config(None, unclipped + HALVED), log=QUIET)
-  assert losses == train(load_config(None, unclipped), log=QUIET)
-
-
-def test_bfloat16_transfers_round_clipped_gradients_and_keep_norm_scales_float32():
-  halved = load_config(None, BFLOAT16_HOST_KERNEL + HALVED)
-  losses = train(halved, log=QUIET)
-  np.testing.assert_allclose(losses, train(load_config(None, BFLOAT16_HOST_KERNEL), log=QUIET),
-                             rtol=1e-2)
+  # their gradients come out of bfloat16 matmuls: halving the copies changes no number.
+  overrides = [f"train.train_iters={STEPS}", "model.dtype=bfloat16", *HOST_KERNEL[:1],
+               "optimizer.optimizer_offload_fraction=1.0", *HOST_KERNEL[2:]]
+  halved = load_config(None, overrides + ["optimizer.offload_transfer_dtype=bfloat16"])
+  assert train(halved, log=QUIET) == train(load_config(None, overrides), log=QUIET)
   setup = resolve(halved)
   trainer = Trainer(setup)
-  *_, grads = trainer._step(trainer.params, trainer.host_params, trainer.opt_state,
-                            setup.global_batch(0))
+  *_, grads, _ = trainer._step(trainer.params, trainer.host_params, trainer.opt_state,
+                               setup.global_batch(0))
   paths = jax.tree_util.tree_flatten_with_path(setup.param_shapes)[0]
   norm_scales = [leaf_path(path).endswith("norm/scale") for path, _ in paths]
   assert any(norm_scales) and not all(norm_scales)
@@ -201,9 +210,19 @@ def test_bfloat16_transfers_round_clipped_gradients_and_keep_norm_scales_float32
   for is_scale, param, grad, weights in zip(norm_scales, host.params, grads, host.weights):
     assert param.dtype == grad.dtype == (jnp.float32 if is_scale else jnp.bfloat16)
     assert weights.dtype == jnp.float32
-  # What the host reads, it reads in place, with no transfer that could queue
-  # behind the next device step.
+
+
+@pytest.mark.slow
+def test_host_kernel_step_leaves_what_the_host_reads_in_host_memory():
+  # The host then reads the gradients and the clipping factor in place, with no
+  # transfer that could queue behind the next device step.
+  setup = resolve(load_config(None, [*HOST_KERNEL[:1], "optimizer.optimizer_offload_fraction=1.0",
+                                     *HOST_KERNEL[2:]]))
+  trainer = Trainer(setup)
+  *_, grads, clip_factor = trainer._step(trainer.params, trainer.host_params, trainer.opt_state,
+                                         setup.global_batch(0))
   assert {g.sharding.memory_kind for g in grads} == {"pinned_host"}
+  assert clip_factor.sharding.memory_kind == "pinned_host"
 
 
 def test_offloaded_state_counts_the_host_kernels_weights_and_moments_once():

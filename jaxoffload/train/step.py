@@ -3,8 +3,10 @@
 One optimizer for every setting: ``optax.chain(optax.clip_by_global_norm,
 X)`` where X is ``optax.adamw``, ``jaxoffload.offload_adamw`` (the plan's
 leaves' moments in host memory), or, with the host kernel, ``optax.adamw``
-masked to the device leaves: the offloaded leaves' updates are then their
-clipped gradients, which go to host memory for ``HostAdamW``.
+masked to the device leaves. The host kernel's leaves send their raw
+gradients to host memory as the backward pass makes them, and the clipping
+factor after them: clipped on the device, they could leave only once every
+gradient exists, since the factor needs the global norm.
 """
 
 from __future__ import annotations
@@ -61,10 +63,15 @@ def _transfer_dtypes(setup: Setup) -> list[jnp.dtype]:
 class Trainer:
   """A run's parameters and optimizer state, and the jitted step that updates them.
 
-  ``params`` holds every leaf but the host kernel's, which ``host`` holds.
+  Attributes:
+    params: the parameter leaves the step updates, in tree order: every leaf but
+      the host kernel's.
+    opt_state: the optimizer's state (``optimizer(setup)``).
+    host: the host kernel's ``HostAdamW``, holding its leaves; None without it.
 
   Example:
-    >>> trainer = Trainer(resolve(config))
+    >>> setup = resolve(config)
+    >>> trainer = Trainer(setup)
     >>> loss = trainer.step(setup.global_batch(0))
   """
 
@@ -80,8 +87,11 @@ class Trainer:
     self._opt = optimizer(setup)
     self.opt_state, state_shardings = self._init_state()
     shardings = jax.tree.leaves(setup.param_shardings)
+    host_scalar = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec(),
+                                             memory_kind="pinned_host")
     out_shardings = ([s for s, h in zip(shardings, is_host) if not h], state_shardings, None,
-                     [s for s, h in zip(shardings, is_host) if h])
+                     [s for s, h in zip(shardings, is_host) if h],
+                     host_scalar if setup.host_kernel else None)
     self._step = jax.jit(self._train_step, donate_argnums=(0, 2), out_shardings=out_shardings)
     self._compiled = None
 
@@ -99,10 +109,10 @@ class Trainer:
   def step(self, tokens: jax.Array) -> jax.Array:
     """One update from ``tokens``; returns the loss (before the update)."""
     step = self._compiled or self._step
-    self.params, self.opt_state, loss, host_grads = step(self.params, self.host_params,
-                                                         self.opt_state, tokens)
+    self.params, self.opt_state, loss, host_grads, clip_factor = step(
+        self.params, self.host_params, self.opt_state, tokens)
     if self.host is not None:
-      self.host.update(host_grads)
+      self.host.update(host_grads, clip_factor)
     return loss
 
   def _tree(self, device_leaves, host_leaves) -> Any:
@@ -117,22 +127,22 @@ class Trainer:
     params = jax.tree.map(lambda p, fetched: p if fetched else to_device(p), params,
                           setup.fetched_by_model)
     loss, grads = _loss_and_grads(setup, params, tokens)
+    host_grads, clip_factor = [], None
     if setup.host_kernel:
-      # Clipped in float32, as the host keeps them; rounded for the wire after.
+      raw = [g for g, h in zip(jax.tree.leaves(grads), self._is_host) if h]
+      host_grads = [to_host(g.astype(d)) for g, d in zip(raw, _transfer_dtypes(setup))]
+      # The norm in float32, as the host keeps these leaves; the same norm clips
+      # the device leaves in the optimizer below.
       grads = jax.tree.map(lambda g, host: g.astype(jnp.float32) if host else g, grads,
                            setup.offload.mask)
+      clip_factor = to_host(_clip_factor(grads, setup.config.optimizer.clip_grad))
     device_params = jax.tree.map(to_device, params)
     updates, opt_state = self._opt.update(grads, opt_state, device_params)
     new_params = optax.apply_updates(device_params, updates)
     new_params = jax.tree.map(lambda p, fetched: to_host(p) if fetched else p, new_params,
                               setup.fetched_by_model)
-    new_leaves, update_leaves = jax.tree.leaves(new_params), jax.tree.leaves(updates)
-    # With the host kernel, its leaves' updates are their clipped gradients.
-    host_grads = [to_host(u.astype(d)) for u, d in zip(
-        [u for u, h in zip(update_leaves, self._is_host) if h],
-        _transfer_dtypes(setup) if setup.host_kernel else [])]
-    return ([p for p, h in zip(new_leaves, self._is_host) if not h], opt_state, loss,
-            host_grads)
+    return ([p for p, h in zip(jax.tree.leaves(new_params), self._is_host) if not h], opt_state,
+            loss, host_grads, clip_factor)
 
   def _init_state(self):
     """The optimizer's state and its shardings, placed as every step will see them."""
@@ -149,6 +159,12 @@ class Trainer:
         lambda x: x.sharding if isinstance(x.sharding, jax.sharding.NamedSharding)
         else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()), state)
     return jax.device_put(state, shardings), shardings
+
+
+def _clip_factor(grads: Any, max_norm: float) -> jax.Array:
+  """What ``optax.clip_by_global_norm(max_norm)`` multiplies ``grads`` by."""
+  norm = optax.tree.norm(grads)
+  return jnp.where(norm < max_norm, 1.0, max_norm / norm)
 
 
 def _init_params(setup: Setup) -> Any:
