@@ -59,7 +59,8 @@ def measure(mode: str, size: str, batch: int, seq: int, steps: int) -> dict:
 
   import jaxoffload
   from jaxoffload.memory import offloaded_activation_bytes
-  from jaxoffload.model import Llama, LlamaConfig, init_params, next_token_loss, regroup
+  from jaxoffload.model import Llama, LlamaConfig, next_token_loss
+  from jaxoffload.params import init_params, regroup
 
   config = LlamaConfig(**SIZES[size], seq_length=seq, dtype="bfloat16")
   groups = groups_for(mode, config.num_layers)

@@ -4,16 +4,14 @@ The layers are ``nn.scan``-ned over a stacked layer axis 0, one scan per
 ``remat.LayerGroup``: with ``cpu_offloading_num_layers = N`` the first N layers
 form one stack and the rest another, so each group can have its own remat
 policy and, being its own parameter leaves, its own memory kind: a group with
-``offload_weights`` keeps its stack in pinned_host. ``regroup`` moves
-parameters between groupings, so runs with different N start from the same
-weights.
+``offload_weights`` keeps its stack in pinned_host. ``jaxoffload.params``
+finds, initialises and regroups the parameter tree.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import flax.linen as nn
 import jax
@@ -40,11 +38,23 @@ class LlamaConfig:
     num_layers: decoder layers.
     num_attention_heads: query heads.
     num_query_groups: key/value heads (grouped-query attention); divides num_attention_heads.
+    kv_channels: width of each attention head; null: hidden_size / num_attention_heads
+      (Hugging Face's head_dim).
     seq_length: tokens per training sequence.
+    max_position_embeddings: the longest sequence the checkpoint was made for; null:
+      no limit. seq_length may not exceed it.
     dtype: compute dtype of activations and matmuls: float32 or bfloat16.
     params_dtype: dtype the parameters are stored in: float32 or bfloat16.
     share_embeddings_and_output_weights: the LM head is the token embedding, transposed.
     rope_theta: base of the rotary position embedding's frequencies.
+    rope_scaling_factor: Llama 3.1's rope scaling (rope_type llama3): low frequencies
+      divided by this factor, high ones kept, those between blended; null: none.
+    rope_scaling_low_freq_factor: with rope scaling, wavelengths above
+      original_max_position_embeddings / this factor are scaled in full.
+    rope_scaling_high_freq_factor: with rope scaling, wavelengths below
+      original_max_position_embeddings / this factor are kept.
+    rope_scaling_original_max_position_embeddings: with rope scaling, the context
+      length the frequencies were trained for.
     rms_norm_eps: added to the mean square in RMSNorm.
     attention_implementation: ``jax.nn.dot_product_attention``'s implementation:
       xla, cudnn, or null for cuDNN's fused kernel on a GPU with 16-bit compute and
@@ -58,11 +68,17 @@ class LlamaConfig:
   num_layers: int = 4
   num_attention_heads: int = 4
   num_query_groups: int = 2
+  kv_channels: Optional[int] = None
   seq_length: int = 64
+  max_position_embeddings: Optional[int] = None
   dtype: str = "float32"
   params_dtype: str = "float32"
   share_embeddings_and_output_weights: bool = False
   rope_theta: float = 10000.0
+  rope_scaling_factor: Optional[float] = None
+  rope_scaling_low_freq_factor: float = 1.0
+  rope_scaling_high_freq_factor: float = 4.0
+  rope_scaling_original_max_position_embeddings: int = 8192
   rms_norm_eps: float = 1e-5
   attention_implementation: Optional[str] = None
 
@@ -76,7 +92,8 @@ class LlamaConfig:
 
   @property
   def head_dim(self) -> int:
-    return self.hidden_size // self.num_attention_heads
+    """Width of each attention head."""
+    return self.kv_channels or self.hidden_size // self.num_attention_heads
 
 
 # RMSNorm's weight: the one parameter the model multiplies in float32 whatever
@@ -107,10 +124,30 @@ class RMSNorm(nn.Module):
     return (normed * scale.astype(jnp.float32)).astype(c.dtype)
 
 
-def rotary(x: jax.Array, theta: float) -> jax.Array:
+def rope_frequencies(config: LlamaConfig) -> jax.Array:
+  """The rotary embedding's angular frequencies, [head_dim / 2], float32, as Llama defines them.
+
+  With ``rope_scaling_factor`` they follow Llama 3.1's rule: frequencies whose
+  wavelength is above ``original / low_freq_factor`` are divided by the factor,
+  those below ``original / high_freq_factor`` kept, those between blended.
+  """
+  dim = config.head_dim
+  freqs = 1.0 / (config.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+  factor = config.rope_scaling_factor
+  if factor is None:
+    return freqs
+  low, high = config.rope_scaling_low_freq_factor, config.rope_scaling_high_freq_factor
+  original = config.rope_scaling_original_max_position_embeddings
+  wavelength = 2 * jnp.pi / freqs
+  scaled = jnp.where(wavelength > original / low, freqs / factor, freqs)
+  smooth = (original / wavelength - low) / (high - low)
+  blended = (1 - smooth) * scaled / factor + smooth * scaled
+  between = ~(wavelength < original / high) & ~(wavelength > original / low)
+  return jnp.where(between, blended, scaled)
+
+
+def rotary(x: jax.Array, freqs: jax.Array) -> jax.Array:
   """Rotary position embedding of ``x`` [batch, seq, heads, head_dim], positions 0..seq-1."""
-  half = x.shape[-1] // 2
-  freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
   angles = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * freqs[None, :]
   sin, cos = jnp.sin(angles)[None, :, None, :], jnp.cos(angles)[None, :, None, :]
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
@@ -153,8 +190,9 @@ class Attention(nn.Module):
     q = heads("query", "heads", c.num_attention_heads)
     k = heads("key", "kv_heads", c.num_query_groups)
     v = heads("value", "kv_heads", c.num_query_groups)
-    q = checkpoint_name(rotary(q, c.rope_theta), "query_proj")
-    k = checkpoint_name(rotary(k, c.rope_theta), "key_proj")
+    freqs = rope_frequencies(c)
+    q = checkpoint_name(rotary(q, freqs), "query_proj")
+    k = checkpoint_name(rotary(k, freqs), "key_proj")
     v = checkpoint_name(v, "value_proj")
     out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=c.attention)
     out = checkpoint_name(_constrain(mesh, out, "heads", None), "attention_out")
@@ -253,40 +291,6 @@ class Llama(nn.Module):
     return _constrain(self.mesh, logits, "vocab").astype(jnp.float32)
 
 
-def _boxed_shapes(model: Llama, tokens: jax.Array) -> Any:
-  return jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), tokens)["params"])
-
-
-def logical_param_specs(model: Llama, tokens: jax.Array) -> Any:
-  """The parameters' logical ``PartitionSpec``s, found without allocating them."""
-  return nn.get_partition_spec(_boxed_shapes(model, tokens))
-
-
-def abstract_params(model: Llama, tokens: jax.Array) -> Any:
-  """The parameters' shapes and dtypes (``jax.ShapeDtypeStruct``s), found without allocating them."""
-  return nn.meta.unbox(_boxed_shapes(model, tokens))
-
-
-def init_params(model: Llama, key: jax.Array, tokens: jax.Array, shardings: Any = None,
-                groups: Optional[Sequence[LayerGroup]] = None) -> Any:
-  """Initialises the parameters under ``jax.jit``, placed by ``shardings`` when given.
-
-  With ``groups`` the layer stacks are cut at their boundaries in the same
-  program (see ``regroup``), so each leaf is written once, straight into its
-  sharding and memory kind.
-
-  Example:
-    >>> specs = logical_param_specs(model, tokens)
-    >>> params = init_params(model, key, tokens, sharding.logical_shardings(mesh, specs))
-  """
-
-  def init(key):
-    params = nn.meta.unbox(model.init(key, tokens)["params"])
-    return params if groups is None else regroup(params, groups)
-
-  return jax.jit(init, out_shardings=shardings)(key)
-
-
 def next_token_loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:
   """Mean cross-entropy of predicting ``tokens[:, 1:]`` from ``logits[:, :-1]``."""
   log_probs = jax.nn.log_softmax(logits[:, :-1], axis=-1)
@@ -294,21 +298,3 @@ def next_token_loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:
   # when the vocabulary is sharded.
   targets = jax.nn.one_hot(tokens[:, 1:], logits.shape[-1], dtype=log_probs.dtype)
   return -jnp.mean(jnp.sum(log_probs * targets, axis=-1))
-
-
-_GROUP_NAME = re.compile(r"layers_(\d+)_(\d+)")
-
-
-def regroup(params: dict, groups: Sequence[LayerGroup]) -> dict:
-  """The same weights with the layer stacks cut at ``groups``' boundaries.
-
-  Example:
-    >>> params = regroup(params, layer_groups(cfg.num_layers, offload_num_layers=11))
-  """
-  stacks = sorted((int(m.group(1)), name) for name in params
-                  if (m := _GROUP_NAME.fullmatch(name)))
-  layers = jax.tree.map(lambda *xs: jnp.concatenate(xs), *[params[name] for _, name in stacks])
-  rest = {name: value for name, value in params.items() if not _GROUP_NAME.fullmatch(name)}
-  for group in groups:
-    rest[group_name(group)] = jax.tree.map(lambda x: x[group.start:group.stop], layers)
-  return rest

@@ -211,8 +211,11 @@ def test_a_key_without_documentation_is_refused():
 @pytest.mark.parametrize("override, message", [
     ("model.seq_length=0", "model.seq_length must be at least 2, got 0"),
     ("model.num_layers=0", "model.num_layers must be at least 1, got 0"),
-    ("model.hidden_size=66", "model.hidden_size (66) must be an even multiple of "
-                             "model.num_attention_heads (4)"),
+    ("model.hidden_size=66", "model.hidden_size (66) must be a multiple of "
+                             "model.num_attention_heads (4), or set model.kv_channels"),
+    ("model.kv_channels=7", "each attention head must be an even number of channels wide, got 7"),
+    ("model.max_position_embeddings=32", "model.seq_length (64) is longer than "
+                                         "model.max_position_embeddings (32)"),
     ("model.num_query_groups=3", "model.num_attention_heads (4) must be a multiple of "
                                  "model.num_query_groups (3)"),
     ("optimizer.lr=0", "optimizer.lr must be > 0 and optimizer.min_lr in [0, lr], got lr=0.0"),

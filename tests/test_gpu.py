@@ -10,7 +10,8 @@ import pytest
 import jaxoffload
 from jaxoffload import remat
 from jaxoffload.memory import activation_bytes
-from jaxoffload.model import Llama, LlamaConfig, init_params, next_token_loss, regroup
+from jaxoffload.model import Llama, LlamaConfig, next_token_loss
+from jaxoffload.params import init_params, regroup
 from tests.helpers import max_rel_diff, train
 
 pytestmark = pytest.mark.gpu

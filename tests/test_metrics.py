@@ -7,7 +7,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxoffload.model import Llama, LlamaConfig, init_params
+from jaxoffload.model import Llama, LlamaConfig
+from jaxoffload.params import init_params
 from jaxoffload.train import metrics
 
 

@@ -20,7 +20,8 @@ import optax
 from jax.experimental import multihost_utils
 
 from jaxoffload import autoplace, sharding
-from jaxoffload.model import Llama, LlamaConfig, abstract_params, group_name, logical_param_specs
+from jaxoffload.model import Llama, LlamaConfig, group_name
+from jaxoffload.params import abstract_params, logical_param_specs
 from jaxoffload.placement import OffloadPlan, leaf_path, plan_offload
 from jaxoffload.remat import LayerGroup
 from jaxoffload.train import data, rules

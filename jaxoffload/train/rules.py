@@ -102,16 +102,28 @@ def _check_sizes(config: Config) -> None:
     _at_least(f"model.{key}", getattr(m, key), 1)
   # The loss predicts each token from those before it: one sequence needs two.
   _at_least("model.seq_length", m.seq_length, 2)
-  if m.hidden_size % m.num_attention_heads or (m.hidden_size // m.num_attention_heads) % 2:
-    raise ConfigError(f"model.hidden_size ({m.hidden_size}) must be an even multiple of "
-                      f"model.num_attention_heads ({m.num_attention_heads}): rotary embeddings "
-                      f"split each head in two halves")
+  if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
+    raise ConfigError(f"model.hidden_size ({m.hidden_size}) must be a multiple of "
+                      f"model.num_attention_heads ({m.num_attention_heads}), or set "
+                      f"model.kv_channels")
+  if m.head_dim < 2 or m.head_dim % 2:
+    raise ConfigError(f"each attention head must be an even number of channels wide, got "
+                      f"{m.head_dim}: rotary embeddings split a head in two halves")
+  if m.max_position_embeddings is not None and m.seq_length > m.max_position_embeddings:
+    raise ConfigError(f"model.seq_length ({m.seq_length}) is longer than "
+                      f"model.max_position_embeddings ({m.max_position_embeddings})")
   if m.num_attention_heads % m.num_query_groups:
     raise ConfigError(f"model.num_attention_heads ({m.num_attention_heads}) must be a multiple "
                       f"of model.num_query_groups ({m.num_query_groups})")
   if not m.rope_theta > 0 or not m.rms_norm_eps >= 0:
     raise ConfigError(f"model.rope_theta must be > 0 and model.rms_norm_eps >= 0, got "
                       f"{m.rope_theta} and {m.rms_norm_eps}")
+  if m.rope_scaling_factor is not None and not (
+      m.rope_scaling_factor > 0
+      and 0 < m.rope_scaling_low_freq_factor < m.rope_scaling_high_freq_factor
+      and m.rope_scaling_original_max_position_embeddings > 0):
+    raise ConfigError("model.rope_scaling_* must be positive with low_freq_factor below "
+                      "high_freq_factor")
   for key, value in (("train.train_iters", t.train_iters),
                      ("train.global_batch_size", t.global_batch_size),
                      ("train.micro_batch_size", t.micro_batch_size),

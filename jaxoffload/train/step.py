@@ -21,7 +21,8 @@ import jaxoffload
 from jaxoffload import remat
 from jaxoffload._compat import DEVICE_KIND, to_device, to_host
 from jaxoffload.host_offload import HostAdamW
-from jaxoffload.model import Llama, compute_dtypes, init_params, next_token_loss
+from jaxoffload.model import Llama, compute_dtypes, next_token_loss
+from jaxoffload.params import init_params
 from jaxoffload.train.resolve import Setup
 
 

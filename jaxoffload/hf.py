@@ -1,0 +1,231 @@
+"""Hugging Face Llama checkpoints in and out: ``load_checkpoint`` and ``save_checkpoint``.
+
+A checkpoint is a directory as transformers' ``save_pretrained`` writes it:
+``config.json`` and ``model.safetensors``, or shards named by
+``model.safetensors.index.json``, in bfloat16, float16 or float32. Loading
+reads each tensor lazily from the memory-mapped files and writes each
+parameter leaf once, straight into its sharding and memory kind: every
+device receives only its shard, and the host holds one leaf at a time.
+
+Example:
+  >>> config, params = load_checkpoint("Llama-3.2-1B")
+  >>> logits = Llama(config).apply({"params": params}, tokens)  # [batch, length, vocab]
+  >>> save_checkpoint("fine-tuned", config, params)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from typing import Any, Iterator, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
+
+from jaxoffload.hf_config import CONFIG_FILE, CheckpointError, hf_config, read_config
+from jaxoffload.model import Llama, LlamaConfig
+from jaxoffload.params import abstract_params
+from jaxoffload.placement import leaf_path
+from jaxoffload.remat import LayerGroup
+
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# transformers' save_pretrained default.
+MAX_SHARD_BYTES = 5 * 10**9
+
+# Per parameter of a decoder layer: its tensor's name in layer i, and whether
+# it is stored transposed (torch's Linear keeps [out, in]; a Dense kernel is [in, out]).
+LAYER_TENSORS = {
+    "attention_norm/scale": ("input_layernorm.weight", False),
+    "attention/query/kernel": ("self_attn.q_proj.weight", True),
+    "attention/key/kernel": ("self_attn.k_proj.weight", True),
+    "attention/value/kernel": ("self_attn.v_proj.weight", True),
+    "attention/out/kernel": ("self_attn.o_proj.weight", True),
+    "mlp_norm/scale": ("post_attention_layernorm.weight", False),
+    "mlp/gate/kernel": ("mlp.gate_proj.weight", True),
+    "mlp/up/kernel": ("mlp.up_proj.weight", True),
+    "mlp/down/kernel": ("mlp.down_proj.weight", True),
+}
+GLOBAL_TENSORS = {
+    "embed/embedding": ("model.embed_tokens.weight", False),
+    "final_norm/scale": ("model.norm.weight", False),
+    "lm_head/kernel": ("lm_head.weight", True),
+}
+# Tensors some checkpoints carry that the model computes itself.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _sources(path: str) -> tuple[list[str], bool]:
+  """The names of a leaf's tensors (one per layer of a stacked leaf), and whether transposed."""
+  group, _, rest = path.partition("/")
+  if group in ("embed", "final_norm", "lm_head"):
+    name, transposed = GLOBAL_TENSORS[path]
+    return [name], transposed
+  start, stop = (int(n) for n in group.split("_")[1:])
+  name, transposed = LAYER_TENSORS[rest]
+  return [f"model.layers.{i}.{name}" for i in range(start, stop)], transposed
+
+
+def _weight_map(directory: str) -> dict[str, str]:
+  """Tensor name -> the safetensors file that holds it."""
+  index = os.path.join(directory, INDEX_FILE)
+  single = os.path.join(directory, WEIGHTS_FILE)
+  if os.path.exists(index):
+    try:
+      with open(index) as f:
+        weight_map = json.load(f)["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+      raise CheckpointError(f"{index}: not a safetensors index ({error})") from None
+    files = {name: os.path.join(directory, file) for name, file in weight_map.items()}
+    for file in sorted(set(files.values())):
+      if not os.path.exists(file):
+        raise CheckpointError(f"{index} names the shard {os.path.basename(file)}, which is "
+                              f"missing from {directory}")
+    return files
+  if not os.path.exists(single):
+    raise CheckpointError(f"{directory} holds neither {WEIGHTS_FILE} nor {INDEX_FILE}")
+  return {name: single for name in _open(single).keys()}
+
+
+def _open(file: str):
+  try:
+    return safe_open(file, framework="numpy")
+  except (SafetensorError, OSError, ValueError) as error:
+    raise CheckpointError(f"{file}: not a readable safetensors file ({error})") from None
+
+
+def _check_tensors(directory: str, names: dict[str, str], handles: dict,
+                   expected: dict[str, tuple]) -> None:
+  """Every tensor the model needs is there with its shape, and nothing it would ignore."""
+  for name, shape in expected.items():
+    if name not in names:
+      raise CheckpointError(f"{directory}: tensor {name} is in no safetensors file")
+    found = tuple(handles[names[name]].get_slice(name).get_shape())
+    if found != shape:
+      raise CheckpointError(f"{names[name]}: tensor {name} has shape {list(found)}; "
+                            f"config.json makes it {list(shape)}")
+  for name, file in names.items():
+    if name not in expected and not name.endswith(IGNORED_SUFFIXES):
+      raise CheckpointError(f"{file}: tensor {name} is not part of the Llama model "
+                            f"config.json describes")
+
+
+def load_checkpoint(directory: str, *, config: Optional[LlamaConfig] = None,
+                    groups: Optional[Sequence[LayerGroup]] = None,
+                    shardings: Any = None) -> tuple[LlamaConfig, Any]:
+  """Reads a Llama checkpoint directory into the model's config and parameter tree.
+
+  Args:
+    directory: what ``save_pretrained`` wrote: ``config.json`` and safetensors.
+    config: the model config to load into (its shape must be the checkpoint's; its
+      ``params_dtype`` is what the parameters become); default ``read_config``'s.
+    groups: the layer groups the parameters' stacks are cut at (``model.Llama``'s).
+    shardings: a pytree of shardings, one per parameter leaf (memory kinds
+      included): each leaf is written straight there; default: the default device.
+
+  Returns:
+    ``(config, params)`` such that ``Llama(config, groups).apply({"params": params},
+    tokens)`` gives the checkpoint's logits.
+
+  Raises:
+    CheckpointError: one line naming the file and the problem.
+  """
+  config = config or read_config(directory)
+  probe = jnp.zeros((1, 2), jnp.int32)
+  shapes = abstract_params(Llama(config, groups), probe)
+  paths = [leaf_path(path) for path, _ in jax.tree_util.tree_flatten_with_path(shapes)[0]]
+  names = _weight_map(directory)
+  with contextlib.ExitStack() as stack:
+    handles = {file: stack.enter_context(_open(file)) for file in sorted(set(names.values()))}
+    expected = {}
+    for path, leaf in zip(paths, jax.tree.leaves(shapes)):
+      sources, transposed = _sources(path)
+      shape = leaf.shape[1:] if path.startswith("layers_") else leaf.shape
+      for name in sources:
+        expected[name] = tuple(reversed(shape)) if transposed else tuple(shape)
+    _check_tensors(directory, names, handles, expected)
+
+    def place(path, leaf, sharding):
+      read = _reader(_sources(path), path.startswith("layers_"), names, handles, leaf.dtype)
+      if sharding is None:
+        return jnp.asarray(read((slice(None),) * len(leaf.shape)))
+      return jax.make_array_from_callback(leaf.shape, sharding, read)
+
+    leaf_shardings = [None] * len(paths) if shardings is None else jax.tree.leaves(shardings)
+    leaves = [place(p, leaf, s) for p, leaf, s in zip(paths, jax.tree.leaves(shapes),
+                                                      leaf_shardings)]
+  return config, jax.tree.unflatten(jax.tree.structure(shapes), leaves)
+
+
+def _reader(source: tuple[list[str], bool], stacked: bool, names: dict, handles: dict, dtype):
+  """``index -> numpy`` for one leaf: the part ``index`` selects, in the leaf's layout."""
+  tensors, transposed = source
+
+  def piece(name: str, index: tuple) -> np.ndarray:
+    values = handles[names[name]].get_slice(name)[tuple(reversed(index)) if transposed else index]
+    return (values.T if transposed else values).astype(dtype)
+
+  def read(index: tuple) -> np.ndarray:
+    if not stacked:
+      return piece(tensors[0], index)
+    return np.stack([piece(name, index[1:]) for name in tensors[index[0]]])
+
+  return read
+
+
+def _tensors(config: LlamaConfig, params: Any, dtype) -> Iterator[tuple[str, np.ndarray]]:
+  """The checkpoint's tensors, in transformers' order, one leaf on the host at a time."""
+  by_path = {leaf_path(path): leaf
+             for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+  for path in ("embed/embedding",):
+    yield GLOBAL_TENSORS[path][0], np.asarray(by_path[path]).astype(dtype)
+  groups = sorted({p.split("/")[0] for p in by_path if p.startswith("layers_")},
+                  key=lambda g: int(g.split("_")[1]))
+  for group in groups:
+    start = int(group.split("_")[1])
+    for sub, (name, transposed) in LAYER_TENSORS.items():
+      stack = np.asarray(by_path[f"{group}/{sub}"])
+      for i, layer in enumerate(stack):
+        yield f"model.layers.{start + i}.{name}", np.ascontiguousarray(
+            (layer.T if transposed else layer).astype(dtype))
+  yield GLOBAL_TENSORS["final_norm/scale"][0], np.asarray(by_path["final_norm/scale"]).astype(dtype)
+  if not config.share_embeddings_and_output_weights:
+    yield "lm_head.weight", np.ascontiguousarray(np.asarray(by_path["lm_head/kernel"]).T.astype(dtype))
+
+
+def save_checkpoint(directory: str, config: LlamaConfig, params: Any, *,
+                    dtype: str = "bfloat16", max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+  """Writes ``params`` as a checkpoint transformers and ``load_checkpoint`` read.
+
+  Args:
+    directory: created if missing; ``config.json`` and one safetensors file, or
+      shards and ``model.safetensors.index.json`` past ``max_shard_bytes``.
+    config: the model's config.
+    params: its parameter tree, any layer grouping, sharding or memory kind.
+    dtype: the tensors' dtype on disk: bfloat16, float16 or float32.
+  """
+  os.makedirs(directory, exist_ok=True)
+  dtype = jnp.dtype(dtype)
+  shards: list[dict[str, np.ndarray]] = [{}]
+  size = 0
+  for name, tensor in _tensors(config, params, dtype):
+    if size and size + tensor.nbytes > max_shard_bytes:
+      shards.append({})
+      size = 0
+    shards[-1][name] = tensor
+    size += tensor.nbytes
+  files = ([WEIGHTS_FILE] if len(shards) == 1 else
+           [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+  for file, tensors in zip(files, shards):
+    save_file(tensors, os.path.join(directory, file), metadata={"format": "pt"})
+  if len(shards) > 1:
+    index = {"metadata": {"total_size": sum(t.nbytes for s in shards for t in s.values())},
+             "weight_map": {name: file for file, s in zip(files, shards) for name in s}}
+    with open(os.path.join(directory, INDEX_FILE), "w") as f:
+      json.dump(index, f, indent=2)
+  with open(os.path.join(directory, CONFIG_FILE), "w") as f:
+    json.dump(hf_config(config, dtype.name), f, indent=2)

@@ -1,0 +1,70 @@
+"""The model's parameter tree: shapes and logical specs without allocating, placed init, regrouping.
+
+A ``model.Llama`` keeps one stacked leaf per weight and layer group
+(``layers_0_11``, ``layers_11_22``, ...). ``regroup`` cuts or joins those
+stacks, so runs with different groupings start from the same weights.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Optional, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxoffload.model import Llama, group_name
+from jaxoffload.remat import LayerGroup
+
+
+def _boxed_shapes(model: Llama, tokens: jax.Array) -> Any:
+  return jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), tokens)["params"])
+
+
+def logical_param_specs(model: Llama, tokens: jax.Array) -> Any:
+  """The parameters' logical ``PartitionSpec``s, found without allocating them."""
+  return nn.get_partition_spec(_boxed_shapes(model, tokens))
+
+
+def abstract_params(model: Llama, tokens: jax.Array) -> Any:
+  """The parameters' shapes and dtypes (``jax.ShapeDtypeStruct``s), found without allocating them."""
+  return nn.meta.unbox(_boxed_shapes(model, tokens))
+
+
+def init_params(model: Llama, key: jax.Array, tokens: jax.Array, shardings: Any = None,
+                groups: Optional[Sequence[LayerGroup]] = None) -> Any:
+  """Initialises the parameters under ``jax.jit``, placed by ``shardings`` when given.
+
+  With ``groups`` the layer stacks are cut at their boundaries in the same
+  program (see ``regroup``), so each leaf is written once, straight into its
+  sharding and memory kind.
+
+  Example:
+    >>> specs = logical_param_specs(model, tokens)
+    >>> params = init_params(model, key, tokens, sharding.logical_shardings(mesh, specs))
+  """
+
+  def init(key):
+    params = nn.meta.unbox(model.init(key, tokens)["params"])
+    return params if groups is None else regroup(params, groups)
+
+  return jax.jit(init, out_shardings=shardings)(key)
+
+
+_GROUP_NAME = re.compile(r"layers_(\d+)_(\d+)")
+
+
+def regroup(params: dict, groups: Sequence[LayerGroup]) -> dict:
+  """The same weights with the layer stacks cut at ``groups``' boundaries.
+
+  Example:
+    >>> params = regroup(params, layer_groups(cfg.num_layers, offload_num_layers=11))
+  """
+  stacks = sorted((int(m.group(1)), name) for name in params
+                  if (m := _GROUP_NAME.fullmatch(name)))
+  layers = jax.tree.map(lambda *xs: jnp.concatenate(xs), *[params[name] for _, name in stacks])
+  rest = {name: value for name, value in params.items() if not _GROUP_NAME.fullmatch(name)}
+  for group in groups:
+    rest[group_name(group)] = jax.tree.map(lambda x: x[group.start:group.stop], layers)
+  return rest
