@@ -24,7 +24,7 @@ def run_children(script: str, settings: Sequence[Sequence[str]], common_args: Se
                          capture_output=True, text=True, check=False)
     if out.returncode != 0:
       sys.stderr.write(out.stderr[-3000:])
-      raise SystemExit(f"setting {' '.join(setting)} failed")
+      raise SystemExit(f"setting {' '.join(setting)} failed (exit status {out.returncode})")
     results.append(json.loads(out.stdout.strip().splitlines()[-1]))
     print(json.dumps({k: v for k, v in results[-1].items() if not isinstance(v, (list, dict))}),
           flush=True)

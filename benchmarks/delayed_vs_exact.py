@@ -74,7 +74,7 @@ def main() -> None:
   corpus = write_stdlib_corpus(args.stdlib_corpus) if args.stdlib_corpus else None
   common = ["data.dataset=text", f"train.train_iters={args.steps}", *args.overrides]
   if corpus:
-    common.append(f"data.text_file={corpus['file']}")
+    common.append(f"data.path={corpus['file']}")
   skipped = {f"host kernel, {name}" for name in args.skip}
   runs = {name: extra for name, extra in RUNS.items() if name not in skipped}
   for n in args.delay_after:

@@ -114,6 +114,19 @@ def _check_tensors(directory: str, names: dict[str, str], handles: dict,
                             f"config.json describes")
 
 
+def tensor_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+  """Every tensor a checkpoint of ``config`` holds, by name, with its shape on disk."""
+  shapes = abstract_params(Llama(config), jnp.zeros((1, 2), jnp.int32))
+  expected = {}
+  for key_path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]:
+    path = leaf_path(key_path)
+    names, transposed = _sources(path)
+    shape = leaf.shape[1:] if path.startswith("layers_") else leaf.shape
+    for name in names:
+      expected[name] = tuple(reversed(shape)) if transposed else tuple(shape)
+  return expected
+
+
 def load_checkpoint(directory: str, *, config: Optional[LlamaConfig] = None,
                     groups: Optional[Sequence[LayerGroup]] = None,
                     shardings: Any = None) -> tuple[LlamaConfig, Any]:
@@ -141,13 +154,7 @@ def load_checkpoint(directory: str, *, config: Optional[LlamaConfig] = None,
   names = _weight_map(directory)
   with contextlib.ExitStack() as stack:
     handles = {file: stack.enter_context(_open(file)) for file in sorted(set(names.values()))}
-    expected = {}
-    for path, leaf in zip(paths, jax.tree.leaves(shapes)):
-      sources, transposed = _sources(path)
-      shape = leaf.shape[1:] if path.startswith("layers_") else leaf.shape
-      for name in sources:
-        expected[name] = tuple(reversed(shape)) if transposed else tuple(shape)
-    _check_tensors(directory, names, handles, expected)
+    _check_tensors(directory, names, handles, tensor_shapes(config))
 
     def place(path, leaf, sharding):
       read = _reader(_sources(path), path.startswith("layers_"), names, handles, leaf.dtype)
@@ -172,7 +179,14 @@ def _reader(source: tuple[list[str], bool], stacked: bool, names: dict, handles:
   def read(index: tuple) -> np.ndarray:
     if not stacked:
       return piece(tensors[0], index)
-    return np.stack([piece(name, index[1:]) for name in tensors[index[0]]])
+    names = tensors[index[0]]
+    # Filled layer by layer: the host holds the leaf once, and one layer more.
+    first = piece(names[0], index[1:])
+    out = np.empty((len(names), *first.shape), first.dtype)
+    out[0] = first
+    for k, name in enumerate(names[1:], start=1):
+      out[k] = piece(name, index[1:])
+    return out
 
   return read
 

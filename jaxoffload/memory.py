@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import os
 from typing import Any, Sequence
 
 import jax
@@ -36,6 +37,19 @@ def peak_device_bytes(device: jax.Device | None = None) -> int | None:
   peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devices]
   peaks = [p for p in peaks if p is not None]
   return max(peaks) if peaks else None
+
+
+def host_rss_bytes() -> int | None:
+  """This process's resident host memory now, in bytes; None where the system does not say.
+
+  Pinned buffers, the host kernel's moments and memory-mapped files that were
+  read all count.
+  """
+  try:
+    with open("/proc/self/statm") as f:
+      return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+  except (OSError, ValueError, IndexError):
+    return None
 
 
 def activation_bytes(config: LlamaConfig, batch: int, seq_len: int) -> dict[str, int]:

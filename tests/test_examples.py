@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 
+from jaxoffload import hf
 from tests.helpers import max_rel_diff
 
 
@@ -39,3 +40,14 @@ def test_sharded_offload_keeps_each_shard_of_the_moments_in_its_hosts_memory(cap
   assert len(losses) == 5 and losses[-1] < losses[0]
   assert "mu['mlp']: pinned_host, spec P(None, 'tensor')" in out
   assert "mu['embed']: device, spec P('fsdp', 'tensor')" in out
+
+
+@pytest.mark.slow
+def test_finetune_hf_trains_evaluates_and_exports(tmp_path):
+  result = example("finetune_hf")["main"](out=str(tmp_path), steps=12)
+  losses = result.losses
+  assert losses[-1] < losses[0]
+  assert [r.step for r in result.records if r.eval_loss is not None] == [4, 8, 12]
+  config, _ = hf.load_checkpoint(str(tmp_path / "hf"))
+  assert config == hf.load_checkpoint("tests/fixtures/tiny_llama")[0]
+  assert (tmp_path / "hf" / "tokenizer.json").exists()

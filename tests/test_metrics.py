@@ -2,14 +2,18 @@
 
 import io
 import json
+import math
+import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from jaxoffload.model import Llama, LlamaConfig
+from jaxoffload.model import Llama, LlamaConfig, next_token_loss
 from jaxoffload.params import init_params
-from jaxoffload.train import metrics
+from jaxoffload.train import __main__ as train_main
+from jaxoffload.train import load_config, metrics, run
 
 
 @pytest.mark.parametrize("config", [
@@ -30,17 +34,75 @@ def test_records_carry_mfu_and_memory_and_go_to_jsonl():
                           peak_flops=1e13, pinned_host_bytes=3 * 2**30, log=lines.append,
                           log_interval=2, jsonl=out, peak_device_bytes=lambda: 5 * 2**30)
   for step, seconds in enumerate([0.5, 0.4, 0.4, 0.4], start=1):
-    meter.record(step=step, loss=4.0 / step, step_s=seconds)
+    meter.record(step=step, loss=4.0 / step, step_s=seconds, learning_rate=1e-3 * step,
+                 grad_norm=2.0, eval_loss=2.0 if step == 4 else None)
   records = [json.loads(line) for line in out.getvalue().splitlines()]
   assert [r["step"] for r in records] == [1, 2, 3, 4]
   assert records[1]["tokens_per_s"] == pytest.approx(2500)
   assert records[1]["mfu"] == pytest.approx(2500 * 2e9 / 1e13)
   assert records[1]["peak_device_bytes"] == 5 * 2**30
   assert records[1]["pinned_host_bytes"] == 3 * 2**30
+  assert records[2]["learning_rate"] == pytest.approx(3e-3) and records[2]["grad_norm"] == 2.0
+  assert records[2]["eval_loss"] is None
+  assert records[3]["eval_perplexity"] == pytest.approx(math.exp(2.0))
   assert len(lines) == 3  # Steps 1, 2 and 4.
   assert "MFU 50.0%" in lines[1] and "pinned host 3.00 GiB" in lines[1]
-  assert meter.summary().startswith("4 steps: loss 4.0000 -> 1.0000; median step 400.0 ms")
+  assert "eval 2.0000 (ppl 7.39)" in lines[2]
+  assert meter.summary().startswith("4 steps: loss 4.0000 -> 1.0000; eval loss 2.0000 (ppl "
+                                    "7.39); median step 400.0 ms")
 
 
 def test_unknown_devices_get_no_mfu():
   assert metrics.peak_flops(jax.devices("cpu")[0], jnp.bfloat16) is None
+
+
+@pytest.mark.slow
+def test_a_run_records_the_rate_the_norm_host_memory_and_held_out_loss(tmp_path):
+  config = load_config(None, ["train.train_iters=4", "eval.interval=2", "eval.iters=3",
+                              f"logging.jsonl={tmp_path}/steps.jsonl",
+                              f"logging.tensorboard_dir={tmp_path}/tb"])
+  result = run(config, log=lambda _: None)
+  records = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+  setup = result.setup
+  assert [r["learning_rate"] for r in records] == pytest.approx(
+      [float(setup.schedule(i)) for i in range(4)])
+  # The first step's gradient norm, from the initial weights and the first batch.
+  params = init_params(Llama(setup.model), jax.random.PRNGKey(0), jnp.zeros((1, 2), jnp.int32))
+  tokens = jnp.asarray(setup.data.train(0))
+  grads = jax.grad(lambda p: next_token_loss(Llama(setup.model).apply({"params": p}, tokens),
+                                             tokens))(params)
+  norm = math.sqrt(sum(float(np.sum(np.asarray(g, np.float64) ** 2)) for g in jax.tree.leaves(grads)))
+  assert records[0]["grad_norm"] == pytest.approx(norm, rel=1e-5)
+  assert all(r["host_rss_bytes"] > 2**20 for r in records)
+  assert [r["eval_loss"] is not None for r in records] == [False, True, False, True]
+  for r in records[1::2]:
+    assert r["eval_perplexity"] == pytest.approx(math.exp(r["eval_loss"]))
+  (events,) = (tmp_path / "tb").iterdir()
+  content = events.read_bytes()
+  assert all(name.encode() in content for name in ("loss", "grad_norm", "eval_loss"))
+
+
+@pytest.mark.slow
+def test_a_window_of_steps_is_profiled(tmp_path):
+  logged = []
+  run(load_config(None, ["train.train_iters=4", f"logging.profile_dir={tmp_path}",
+                         "logging.profile_start_step=2", "logging.profile_steps=2"]),
+      log=logged.append)
+  assert f"profiled steps 2-3 into {tmp_path}" in logged
+  assert list(tmp_path.rglob("*.xplane.pb"))
+
+
+def test_out_of_device_memory_names_the_keys_and_writes_the_memory_profile(tmp_path, capsys,
+                                                                           monkeypatch):
+  def out_of_memory(config):
+    raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 111 GiB")
+
+  monkeypatch.setattr(train_main, "train", out_of_memory)
+  with pytest.raises(SystemExit) as exit_:
+    train_main.main([f"logging.jsonl={tmp_path}/steps.jsonl"])
+  assert exit_.value.code == 1
+  err = capsys.readouterr().err.splitlines()
+  profile = err[0].split("what the device held: ")[1]
+  assert err[0].startswith("error: out of device memory: RESOURCE_EXHAUSTED: Out of memory")
+  assert os.path.dirname(profile) == str(tmp_path) and os.path.getsize(profile) > 0
+  assert "optimizer.optimizer_offload_fraction" in err[1]

@@ -58,9 +58,10 @@ def test_a_config_error_exits_2_with_one_line_and_no_traceback():
      "error: unknown config key 'optimizer.optimizer_offload_fractoin'; "
      "did you mean 'optimizer.optimizer_offload_fraction'?\n"),
     (["train.train_iters=ten"], "error: train.train_iters must be int, got 'ten' (str)\n"),
-    (["data.dataset=text", "data.text_file=/nonexistent/corpus.txt"],
-     "error: data.text_file '/nonexistent/corpus.txt' cannot be read as UTF-8 text: [Errno 2] "
-     "No such file or directory: '/nonexistent/corpus.txt'\n"),
+    (["data.dataset=text", "data.path=/nonexistent/corpus.txt"],
+     "error: data.path '/nonexistent/corpus.txt' names no file\n"),
+    (["model.hf_checkpoint=/nonexistent"],
+     "error: /nonexistent/config.json: cannot be read (No such file or directory)\n"),
 ])
 def test_config_errors_exit_2_with_one_line(args, message, capsys):
   with pytest.raises(SystemExit) as exit_:

@@ -19,6 +19,7 @@ each offload mode: configs/. What each costs: docs/performance.md.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Optional
 
@@ -44,6 +45,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                            "mesh, distributed, checkpoint)")
   parser.add_argument("overrides", nargs="*", metavar="section.key=value")
   args = parser.parse_args(argv)
+  config = None
   try:
     config = load_config(args.config, args.overrides)
     launch.set_xla_flags(config)
@@ -56,7 +58,18 @@ def main(argv: Optional[list[str]] = None) -> None:
   except jax.errors.JaxRuntimeError as error:
     if "RESOURCE_EXHAUSTED" not in str(error):
       raise
-    _exit(f"error: out of device memory: {str(error).splitlines()[0]}\n{OUT_OF_MEMORY_HINT}", 1)
+    profile = _memory_profile(config)
+    _exit(f"error: out of device memory: {str(error).splitlines()[0]}; what the device held: "
+          f"{profile}\n{OUT_OF_MEMORY_HINT}", 1)
+
+
+def _memory_profile(config) -> str:
+  """Writes the device memory profile (pprof) beside the JSONL log, or here; returns its path."""
+  directory = os.path.dirname(os.path.abspath(config.logging.jsonl)) if (
+      config is not None and config.logging.jsonl) else os.getcwd()
+  path = os.path.join(directory, f"device_memory_{os.getpid()}.prof")
+  jax.profiler.save_device_memory_profile(path)
+  return path
 
 
 def _exit(message: str, status: int) -> None:

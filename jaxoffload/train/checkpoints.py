@@ -1,19 +1,23 @@
 """Orbax checkpoints of a ``Trainer``: asynchronous saves, restored straight into its placements.
 
-Orbax records no memory kind, so a restore reads into a target that names
-each leaf's sharding and memory kind: offloaded state goes straight back to
-host memory.
+A checkpoint holds four items: ``params`` (the whole parameter tree, whatever
+was offloaded), ``opt_state``, ``host`` (the host kernel's moments, if any) and
+``meta`` (the resolved config and the step, as JSON). Orbax records no memory
+kind, so a restore reads into a target that names each leaf's sharding and
+memory kind: offloaded state goes straight back to host memory. ``params``
+alone can be read into any placement: to fine-tune from another run
+(``checkpoint.init_from``) or to export (``python -m jaxoffload.export``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from typing import Optional
+from typing import Any, Optional
 
-import jax
 import orbax.checkpoint as ocp
 
-from jaxoffload.train.config import Config
+from jaxoffload.train.config import Config, ConfigError
 from jaxoffload.train.step import Trainer
 
 
@@ -27,20 +31,46 @@ def manager(config: Config) -> Optional[ocp.CheckpointManager]:
 
 
 def save(checkpoints: ocp.CheckpointManager, step: int, trainer: Trainer) -> None:
-  """Starts an asynchronous save of the trainer's parameters and optimizer state."""
-  tree = {"params": trainer.params, "opt_state": trainer.opt_state}
-  if trainer.host is not None:
-    tree["host"] = trainer.host.checkpoint()
-  checkpoints.save(step, args=ocp.args.StandardSave(tree))
+  """Starts an asynchronous save of the trainer's state, its config and the step."""
+  items = {name: ocp.args.StandardSave(tree) for name, tree in trainer.checkpoint().items()}
+  meta = {"step": step, "config": dataclasses.asdict(trainer.setup.config)}
+  checkpoints.save(step, args=ocp.args.Composite(meta=ocp.args.JsonSave(meta), **items))
 
 
 def restore(checkpoints: ocp.CheckpointManager, step: int, trainer: Trainer) -> None:
-  """Loads step ``step``'s parameters and optimizer state into ``trainer``, in its placements."""
-  like = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-  target = jax.tree.map(like, {"params": trainer.params, "opt_state": trainer.opt_state})
-  if trainer.host is not None:
-    target["host"] = trainer.host.checkpoint_target()
-  restored = checkpoints.restore(step, args=ocp.args.StandardRestore(target))
-  trainer.params, trainer.opt_state = restored["params"], restored["opt_state"]
-  if trainer.host is not None:
-    trainer.host.load(restored["host"])
+  """Loads step ``step`` into ``trainer``, each leaf in the trainer's placement."""
+  items = {name: ocp.args.StandardRestore(target)
+           for name, target in trainer.checkpoint_target().items()}
+  restored = checkpoints.restore(step, args=ocp.args.Composite(**items))
+  trainer.load({name: restored[name] for name in items})
+
+
+def locate(path: str) -> tuple[ocp.CheckpointManager, int]:
+  """The manager and step of ``path``: a checkpoint directory (its newest step) or a step in one.
+
+  Raises:
+    ConfigError: naming the path, when it holds no checkpoint.
+  """
+  path = os.path.abspath(path)
+  parent, name = os.path.split(path)
+  if name.isdigit() and os.path.isdir(path):
+    return ocp.CheckpointManager(parent), int(name)
+  if not os.path.isdir(path):
+    raise ConfigError(f"checkpoint {path!r} is not a directory")
+  checkpoints = ocp.CheckpointManager(path)
+  step = checkpoints.latest_step()
+  if step is None:
+    raise ConfigError(f"{path!r} holds no checkpoint")
+  return checkpoints, step
+
+
+def read_meta(checkpoints: ocp.CheckpointManager, step: int) -> dict[str, Any]:
+  """The ``meta`` item of a step: ``{"step": ..., "config": {...}}``."""
+  return checkpoints.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+
+def restore_params(checkpoints: ocp.CheckpointManager, step: int, target: Any) -> Any:
+  """Step ``step``'s parameter tree alone, read into ``target``'s shapes and placements."""
+  restored = checkpoints.restore(
+      step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))
+  return restored["params"]

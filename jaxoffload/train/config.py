@@ -33,6 +33,10 @@ class ModelConfig(LlamaConfig):
   ("fine_grained_activation_offloading cannot be enabled with cpu_offloading.").
 
   Attributes:
+    hf_checkpoint: a Hugging Face Llama checkpoint directory (``config.json`` and
+      safetensors, as ``save_pretrained`` writes them) to start from: its config.json
+      sets the model's shape (shape keys given beside it must agree), its weights the
+      first parameters, its tokenizer.json the text's tokenizer.
     cpu_offloading: activation (and weight) offload, Megatron's master switch.
     cpu_offloading_num_layers: the first N layers offload; N in [0, num_layers - 1].
     cpu_offloading_activations: those layers send their named activations to pinned_host.
@@ -54,6 +58,7 @@ class ModelConfig(LlamaConfig):
       jaxoffload.train`` before JAX starts); none: XLA's defaults.
   """
 
+  hf_checkpoint: Optional[str] = None
   cpu_offloading: bool = False
   cpu_offloading_num_layers: int = 0
   cpu_offloading_activations: bool = True
@@ -166,14 +171,39 @@ class DataConfig:
   the same tokens as an uninterrupted one.
 
   Attributes:
-    dataset: synthetic (counting sequences: the loss falls fast) or text (byte
-      tokens: needs model.vocab_size >= 256).
-    text_file: a UTF-8 text file to train on with dataset=text; null: the corpus
-      shipped with jaxoffload (fixed, so loss curves compare across versions).
+    dataset: synthetic (counting sequences: the loss falls fast) or text.
+    path: with dataset=text, a text file, a JSONL file (one document per line), or a
+      directory or glob of them; tokenized once and cached in .jaxoffload_cache/ beside
+      it; null: the corpus shipped with jaxoffload (fixed, so loss curves compare across
+      versions).
+    tokenizer: a tokenizer.json, or a directory holding one; null: model.hf_checkpoint's
+      if it has one, else UTF-8 bytes (needs model.vocab_size >= 256).
+    text_field: the field of each JSONL line that holds its text.
+    eos_token: the token put between documents; null: the eos_token of the
+      tokenizer_config.json beside the tokenizer (id 0 for bytes).
   """
 
   dataset: str = "synthetic"
-  text_file: Optional[str] = None
+  path: Optional[str] = None
+  tokenizer: Optional[str] = None
+  text_field: str = "text"
+  eos_token: Optional[str] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+  """``eval.*``: held-out loss and perplexity during training.
+
+  Attributes:
+    interval: steps between evaluations (and one at the last step); 0: none.
+    iters: held-out batches of train.micro_batch_size sequences per evaluation.
+    fraction: the share of the text held out, cut at a document boundary (synthetic
+      data draws its held-out batches from a stream of their own).
+  """
+
+  interval: int = 0
+  iters: int = 10
+  fraction: float = 0.05
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,13 +216,24 @@ class LoggingConfig:
   Attributes:
     log_interval: steps between progress lines; 0: ten a run.
     jsonl: a file to append one JSON record per step to (step, loss, step_s,
-      tokens_per_s, mfu, peak_device_bytes, pinned_host_bytes).
+      tokens_per_s, mfu, learning_rate, grad_norm, peak_device_bytes, pinned_host_bytes,
+      host_rss_bytes, and eval_loss and eval_perplexity at evaluations).
     progress_bar: on a terminal, one progress line redrawn in place.
+    tensorboard_dir: a directory for TensorBoard event files of the same figures
+      (needs tensorboardX: pip install 'jaxoffload[metrics]').
+    profile_dir: a directory for a ``jax.profiler`` trace of profile_steps steps from
+      profile_start_step (TensorBoard's or Perfetto's trace viewer reads it).
+    profile_start_step: the first step traced.
+    profile_steps: how many steps are traced.
   """
 
   log_interval: int = 0
   jsonl: Optional[str] = None
   progress_bar: bool = True
+  tensorboard_dir: Optional[str] = None
+  profile_dir: Optional[str] = None
+  profile_start_step: int = 3
+  profile_steps: int = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,12 +287,16 @@ class CheckpointConfig:
     keep: how many of the newest checkpoints to keep.
     resume: continue from the newest checkpoint in dir; offloaded state is restored
       straight into host memory.
+    init_from: another run's checkpoint directory (its newest step) or one step in it
+      to take the first weights from, with a fresh optimizer state; a checkpoint to
+      resume from in dir comes first.
   """
 
   dir: Optional[str] = None
   save_interval: int = 100
   keep: int = 3
   resume: bool = True
+  init_from: Optional[str] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,6 +307,7 @@ class Config:
   optimizer: OptimizerConfig = OptimizerConfig()
   train: TrainConfig = TrainConfig()
   data: DataConfig = DataConfig()
+  eval: EvalConfig = EvalConfig()
   logging: LoggingConfig = LoggingConfig()
   mesh: MeshConfig = MeshConfig()
   distributed: DistributedConfig = DistributedConfig()

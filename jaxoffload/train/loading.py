@@ -15,8 +15,13 @@ from typing import Any, Optional, Sequence
 
 import yaml
 
+from jaxoffload.hf_config import CheckpointError, read_config
+from jaxoffload.model import LlamaConfig
 from jaxoffload.train import rules
-from jaxoffload.train.config import Config, ConfigError
+from jaxoffload.train.config import Config, ConfigError, ModelConfig
+
+# LlamaConfig fields a checkpoint does not decide: how the run computes, and on what.
+RUN_FIELDS = ("dtype", "params_dtype", "seq_length", "attention_implementation")
 
 
 def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Config:
@@ -24,6 +29,8 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Co
 
   A file may start from another: ``base_config: llama_1b.yaml`` (a path
   relative to the file) reads that one first, then this file's keys over it.
+  With ``model.hf_checkpoint`` the model's shape comes from its config.json, with
+  ``checkpoint.init_from`` from that run's saved config.
 
   Args:
     path: a YAML file of sections (model, optimizer, train, ...); None: the defaults.
@@ -41,8 +48,43 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Co
   items = [] if path is None else _file_items(path, ())
   items += [parse_override(text) for text in overrides]
   config = _with_values(Config(), items)
+  if config.model.hf_checkpoint is not None:
+    try:
+      source = read_config(config.model.hf_checkpoint)
+    except CheckpointError as error:
+      raise ConfigError(str(error)) from None
+    config = _with_shape_of(config, source, f"{config.model.hf_checkpoint}/config.json")
+  elif config.checkpoint.init_from is not None:
+    from jaxoffload.train import checkpoints  # Reads orbax checkpoints: only when asked.
+
+    meta = checkpoints.read_meta(*checkpoints.locate(config.checkpoint.init_from))
+    source = config_from_dict(meta["config"]).model.llama()
+    config = _with_shape_of(config, source, f"the run in {config.checkpoint.init_from}")
   rules.check(config)
   return config
+
+
+def config_from_dict(values: dict[str, dict[str, Any]]) -> Config:
+  """The ``Config`` that ``dataclasses.asdict`` made ``values`` from (a checkpoint's meta),
+  types checked, with no file read: it was checked when it ran."""
+  return _with_values(Config(), _flatten(values))
+
+
+def _with_shape_of(config: Config, source: LlamaConfig, where: str) -> Config:
+  """``config`` with the model's shape taken from ``source``.
+
+  Raises:
+    ConfigError: for a shape key given (other than its default) that disagrees.
+  """
+  defaults = ModelConfig()
+  shape = [f.name for f in dataclasses.fields(LlamaConfig) if f.name not in RUN_FIELDS]
+  for name in shape:
+    given, read = getattr(config.model, name), getattr(source, name)
+    if given != getattr(defaults, name) and given != read:
+      raise ConfigError(f"model.{name}={given!r} disagrees with {where}, which makes it "
+                        f"{read!r}; leave model.{name} out")
+  return dataclasses.replace(config, model=dataclasses.replace(
+      config.model, **{name: getattr(source, name) for name in shape}))
 
 
 def _with_values(config: Config, items: Sequence[tuple[str, Any]]) -> Config:

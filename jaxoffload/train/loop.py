@@ -12,8 +12,9 @@ from typing import Callable, Optional
 import jax
 
 import jaxoffload
+from jaxoffload.memory import host_rss_bytes
 from jaxoffload.train import checkpoints as ckpt
-from jaxoffload.train import launch, metrics, rules
+from jaxoffload.train import launch, metrics, rules, weights
 from jaxoffload.train.config import Config
 from jaxoffload.train.resolve import Setup, resolve
 from jaxoffload.train.step import Trainer
@@ -73,14 +74,15 @@ def run(config: Config, *, log: Log = print, stop_after_step: Optional[int] = No
   reporting = jax.process_index() == 0
   if not reporting:
     log = lambda _: None
-  live = config.logging.progress_bar and log is print and sys.stdout.isatty()
   setup = resolve(config)
   config = setup.config
-  trainer = Trainer(setup)
   checkpoints = ckpt.manager(config)
   first = 0
   if checkpoints is not None and config.checkpoint.resume and checkpoints.latest_step() is not None:
     first = checkpoints.latest_step()
+  # A resumed run's weights come from its checkpoint, not from where it started.
+  trainer = Trainer(setup, None if first else weights.initial(setup))
+  if first:
     ckpt.restore(checkpoints, first, trainer)
     log(f"resumed from step {first} in {config.checkpoint.dir}")
   _announce(setup, trainer, log)
@@ -90,29 +92,13 @@ def run(config: Config, *, log: Log = print, stop_after_step: Optional[int] = No
   log(f"compiled the step in {compile_s:.1f} s")
   host_temp = getattr(analysis, "host_temp_size_in_bytes", 0) or 0
   pinned, offloaded_state = _host_bytes(trainer)
-  t, m = config.train, config.model
-  last = t.train_iters if stop_after_step is None else min(stop_after_step, t.train_iters)
-  jsonl = open(config.logging.jsonl, "a") if config.logging.jsonl and reporting else None
-  meter = metrics.Monitor(
-      total_steps=t.train_iters, tokens_per_step=t.global_batch_size * m.seq_length,
-      flops_per_token=metrics.flops_per_token(setup.model, m.seq_length),
-      peak_flops=(metrics.peak_flops(jax.devices()[0], m.dtype) or 0) * jax.device_count(),
-      pinned_host_bytes=pinned + host_temp, log=log, log_interval=config.logging.log_interval,
-      jsonl=jsonl, live=live, peak_device_bytes=jaxoffload.peak_device_bytes)
+  last = (config.train.train_iters if stop_after_step is None
+          else min(stop_after_step, config.train.train_iters))
+  meter = _monitor(setup, pinned + host_temp, log, reporting)
   try:
-    for i in range(first, last):
-      tokens = setup.global_batch(i)
-      start = time.perf_counter()
-      loss = float(trainer.step(tokens).addressable_data(0))  # Replicated: every process has it.
-      meter.record(step=i + 1, loss=loss, step_s=time.perf_counter() - start)
-      if not math.isfinite(loss):
-        _stop_on_bad_loss(loss, i + 1, checkpoints)
-      if checkpoints is not None and ((i + 1) % config.checkpoint.save_interval == 0
-                                      or i + 1 == last):
-        ckpt.save(checkpoints, i + 1, trainer)
+    _train(setup, trainer, checkpoints, meter, range(first, last), log)
   finally:
-    if jsonl is not None:
-      jsonl.close()
+    meter.close()
   if trainer.host is not None:
     trainer.host.finish()
   if checkpoints is not None:
@@ -121,6 +107,53 @@ def run(config: Config, *, log: Log = print, stop_after_step: Optional[int] = No
   device_bytes = (analysis.argument_size_in_bytes + analysis.output_size_in_bytes
                   - analysis.alias_size_in_bytes + analysis.temp_size_in_bytes)
   return Run(setup, meter.records, compile_s, device_bytes, host_temp, offloaded_state)
+
+
+def _train(setup: Setup, trainer: Trainer, checkpoints, meter: metrics.Monitor, steps: range,
+           log: Log) -> None:
+  """The steps themselves: update, record, evaluate, checkpoint, stop on a bad loss."""
+  config = setup.config
+  profiler = metrics.Profiler(config.logging.profile_dir, config.logging.profile_start_step,
+                              config.logging.profile_steps, log)
+  for i in steps:
+    tokens = setup.global_batch(i)
+    profiler.before(i + 1)
+    start = time.perf_counter()
+    loss, grad_norm = trainer.step(tokens)
+    loss = float(loss.addressable_data(0))  # Replicated: every process has it.
+    step_s = time.perf_counter() - start
+    profiler.after(i + 1, trainer.params)
+    due = config.eval.interval and ((i + 1) % config.eval.interval == 0 or i + 1 == steps.stop)
+    meter.record(step=i + 1, loss=loss, step_s=step_s,
+                 learning_rate=float(setup.schedule(i)), grad_norm=float(grad_norm),
+                 eval_loss=_evaluate(setup, trainer) if due else None)
+    if not math.isfinite(loss):
+      _stop_on_bad_loss(loss, i + 1, checkpoints)
+    if checkpoints is not None and ((i + 1) % config.checkpoint.save_interval == 0
+                                    or i + 1 == steps.stop):
+      ckpt.save(checkpoints, i + 1, trainer)
+
+
+def _evaluate(setup: Setup, trainer: Trainer) -> float:
+  """The mean held-out loss over ``eval.iters`` batches."""
+  losses = [trainer.evaluate(setup.eval_batch(i)) for i in range(setup.config.eval.iters)]
+  return sum(float(x.addressable_data(0)) for x in losses) / len(losses)
+
+
+def _monitor(setup: Setup, pinned_host_bytes: int, log: Log, reporting: bool) -> metrics.Monitor:
+  """Where each step's figures go: the progress line, JSONL, TensorBoard."""
+  config, m, t = setup.config, setup.config.model, setup.config.train
+  jsonl = open(config.logging.jsonl, "a") if config.logging.jsonl and reporting else None
+  tensorboard = (metrics.TensorBoard(config.logging.tensorboard_dir)
+                 if config.logging.tensorboard_dir and reporting else None)
+  return metrics.Monitor(
+      total_steps=t.train_iters, tokens_per_step=t.global_batch_size * m.seq_length,
+      flops_per_token=metrics.flops_per_token(setup.model, m.seq_length),
+      peak_flops=(metrics.peak_flops(jax.devices()[0], m.dtype) or 0) * jax.device_count(),
+      pinned_host_bytes=pinned_host_bytes, log=log, log_interval=config.logging.log_interval,
+      jsonl=jsonl, tensorboard=tensorboard,
+      live=config.logging.progress_bar and log is print and sys.stdout.isatty(),
+      peak_device_bytes=jaxoffload.peak_device_bytes, host_rss_bytes=host_rss_bytes)
 
 
 def _announce(setup: Setup, trainer: Trainer, log: Log) -> None:

@@ -1,21 +1,24 @@
-"""What a training run reports each step: loss, speed, model FLOPs utilisation and memory.
+"""What a training run reports each step: losses, speed, model FLOPs utilisation and memory.
 
-``Monitor`` writes one JSON record per step to a JSONL file, shows a progress
-line (redrawn in place on a terminal, a line every ``log_interval`` steps
-otherwise) and a summary at the end.
+``Monitor`` writes one record per step to a JSONL file and to TensorBoard,
+shows a progress line (redrawn in place on a terminal, a line every
+``log_interval`` steps otherwise) and a summary at the end; ``Profiler``
+traces a window of steps with ``jax.profiler``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import statistics
-from typing import Callable, Optional, TextIO
+from typing import Any, Callable, Optional, TextIO
 
 import jax
 import jax.numpy as jnp
 
 from jaxoffload.model import LlamaConfig
+from jaxoffload.train.config import ConfigError
 
 # Dense peak FLOP/s of one chip for 16-bit and for 32-bit matmuls (TF32 on
 # NVIDIA GPUs, which XLA uses for float32 at default precision), from the
@@ -57,31 +60,80 @@ def peak_flops(device: jax.Device, dtype) -> Optional[float]:
 
 @dataclasses.dataclass
 class StepRecord:
-  """One step's figures, as written to the JSONL file."""
+  """One step's figures, as written to the JSONL file and TensorBoard."""
 
   step: int
   loss: float
   step_s: float
   tokens_per_s: float
   mfu: Optional[float]  # Model FLOPs utilisation in [0, 1]; None where the peak is unknown.
+  learning_rate: float  # The rate this step's update used.
+  grad_norm: float  # The gradients' global norm, before clipping.
   peak_device_bytes: Optional[int]  # Since the process started; None on CPU.
   pinned_host_bytes: int  # Offloaded training state plus the step's host temporaries.
+  host_rss_bytes: Optional[int]  # The process's resident host memory; None where unknown.
+  eval_loss: Optional[float] = None  # Held-out loss after this step, where evaluated.
+  eval_perplexity: Optional[float] = None
+
+
+class TensorBoard:
+  """Each record's figures as TensorBoard scalars, through tensorboardX's event-file writer.
+
+  Raises:
+    ConfigError: when tensorboardX is not installed.
+  """
+
+  def __init__(self, directory: str):
+    try:
+      from tensorboardX import SummaryWriter
+    except ImportError:
+      raise ConfigError("logging.tensorboard_dir needs tensorboardX: "
+                        "pip install 'jaxoffload[metrics]'") from None
+    self._writer = SummaryWriter(directory)
+
+  def write(self, record: StepRecord) -> None:
+    for name, value in dataclasses.asdict(record).items():
+      if name != "step" and value is not None:
+        self._writer.add_scalar(name, value, record.step)
+
+  def close(self) -> None:
+    self._writer.close()
+
+
+class Profiler:
+  """A ``jax.profiler`` trace of ``steps`` steps from step ``start``, written to ``directory``."""
+
+  def __init__(self, directory: Optional[str], start: int, steps: int, log=print):
+    self.directory, self.start, self.stop = directory, start, start + steps - 1
+    self.log = log
+
+  def before(self, step: int) -> None:
+    if self.directory is not None and step == self.start:
+      jax.profiler.start_trace(self.directory)
+
+  def after(self, step: int, outputs: Any) -> None:
+    if self.directory is not None and step == self.stop:
+      jax.block_until_ready(outputs)
+      jax.profiler.stop_trace()
+      self.log(f"profiled steps {self.start}-{self.stop} into {self.directory}")
 
 
 class Monitor:
-  """Per-step records to JSONL and a progress line; a summary at the end.
+  """Per-step records to JSONL and TensorBoard, and a progress line; a summary at the end.
 
   Example:
     >>> monitor = Monitor(total_steps=100, tokens_per_step=16384, flops_per_token=6.6e9,
     ...                   peak_flops=989e12, pinned_host_bytes=2**30, log=print)
-    >>> monitor.record(step=1, loss=10.8, step_s=0.31)
+    >>> monitor.record(step=1, loss=10.8, step_s=0.31, learning_rate=3e-4, grad_norm=2.5)
   """
 
   def __init__(self, *, total_steps: int, tokens_per_step: int, flops_per_token: float,
                peak_flops: Optional[float], pinned_host_bytes: int,
                log: Callable[[str], None] = print, log_interval: int = 0,
-               jsonl: Optional[TextIO] = None, live: bool = False,
-               peak_device_bytes: Callable[[], Optional[int]] = lambda: None):
+               jsonl: Optional[TextIO] = None, tensorboard: Optional[TensorBoard] = None,
+               live: bool = False,
+               peak_device_bytes: Callable[[], Optional[int]] = lambda: None,
+               host_rss_bytes: Callable[[], Optional[int]] = lambda: None):
     self.total_steps = total_steps
     self.tokens_per_step = tokens_per_step
     self.flops_per_token = flops_per_token
@@ -90,38 +142,54 @@ class Monitor:
     self.log = log
     self.log_interval = log_interval or max(1, total_steps // 10)
     self.jsonl = jsonl
+    self.tensorboard = tensorboard
     self.live = live  # Redraw one line in place (on a terminal) instead of logging lines.
     self.peak_device_bytes = peak_device_bytes
+    self.host_rss_bytes = host_rss_bytes
     self.records: list[StepRecord] = []
 
-  def record(self, *, step: int, loss: float, step_s: float) -> StepRecord:
-    """Notes a finished step; writes its JSONL record and, when due, the progress line."""
+  def record(self, *, step: int, loss: float, step_s: float, learning_rate: float,
+             grad_norm: float, eval_loss: Optional[float] = None) -> StepRecord:
+    """Notes a finished step; writes its records and, when due, the progress line."""
     tokens_per_s = self.tokens_per_step / step_s
     mfu = (tokens_per_s * self.flops_per_token / self.peak_flops) if self.peak_flops else None
-    record = StepRecord(step, loss, step_s, tokens_per_s, mfu, self.peak_device_bytes(),
-                        self.pinned_host_bytes)
+    record = StepRecord(step, loss, step_s, tokens_per_s, mfu, learning_rate, grad_norm,
+                        self.peak_device_bytes(), self.pinned_host_bytes, self.host_rss_bytes(),
+                        eval_loss, None if eval_loss is None else _perplexity(eval_loss))
     self.records.append(record)
     if self.jsonl is not None:
       self.jsonl.write(json.dumps(dataclasses.asdict(record)) + "\n")
       self.jsonl.flush()
-    due = len(self.records) == 1 or step % self.log_interval == 0 or step == self.total_steps
+    if self.tensorboard is not None:
+      self.tensorboard.write(record)
+    due = (len(self.records) == 1 or step % self.log_interval == 0 or step == self.total_steps
+           or eval_loss is not None)
     if self.live:
-      end = "\n" if step == self.total_steps else ""
+      end = "\n" if step == self.total_steps or eval_loss is not None else ""
       print("\r" + self._line(record), end=end, flush=True)
     elif due:
       self.log(self._line(record))
     return record
 
+  def close(self) -> None:
+    """Closes the JSONL file and the TensorBoard writer."""
+    if self.jsonl is not None:
+      self.jsonl.close()
+    if self.tensorboard is not None:
+      self.tensorboard.close()
+
   def _line(self, r: StepRecord) -> str:
     done = r.step / self.total_steps
     bar = "#" * int(20 * done) + "." * (20 - int(20 * done))
-    return (f"[{bar}] step {r.step}/{self.total_steps}  loss {r.loss:.4f}  "
+    held_out = (f"eval {r.eval_loss:.4f} (ppl {r.eval_perplexity:,.2f})  "
+                if r.eval_loss is not None else "")
+    return (f"[{bar}] step {r.step}/{self.total_steps}  loss {r.loss:.4f}  {held_out}"
             f"{r.step_s * 1e3:.1f} ms  {r.tokens_per_s:,.0f} tok/s  "
             + (f"MFU {100 * r.mfu:.1f}%  " if r.mfu is not None else "")
-            + _memory(r.peak_device_bytes, r.pinned_host_bytes))
+            + _memory(r.peak_device_bytes, r.pinned_host_bytes, r.host_rss_bytes))
 
   def summary(self) -> str:
-    """The run's median step time, tokens/s, MFU, memory and loss, as one line."""
+    """The run's median step time, tokens/s, MFU, memory and losses, as one line."""
     if not self.records:
       return "no steps run"
     rs = self.records
@@ -129,12 +197,21 @@ class Monitor:
     tokens_per_s = self.tokens_per_step / median_s
     mfu = (f"  MFU {100 * tokens_per_s * self.flops_per_token / self.peak_flops:.1f}%"
            if self.peak_flops else "")
-    return (f"{len(rs)} steps: loss {rs[0].loss:.4f} -> {rs[-1].loss:.4f}; median step "
-            f"{median_s * 1e3:.1f} ms, {tokens_per_s:,.0f} tok/s{mfu}; "
-            + _memory(rs[-1].peak_device_bytes, rs[-1].pinned_host_bytes))
+    evaluated = [r for r in rs if r.eval_loss is not None]
+    held_out = (f"; eval loss {evaluated[-1].eval_loss:.4f} (ppl "
+                f"{evaluated[-1].eval_perplexity:,.2f})" if evaluated else "")
+    return (f"{len(rs)} steps: loss {rs[0].loss:.4f} -> {rs[-1].loss:.4f}{held_out}; median "
+            f"step {median_s * 1e3:.1f} ms, {tokens_per_s:,.0f} tok/s{mfu}; "
+            + _memory(rs[-1].peak_device_bytes, rs[-1].pinned_host_bytes,
+                      rs[-1].host_rss_bytes))
 
 
-def _memory(peak_device: Optional[int], pinned_host: int) -> str:
+def _perplexity(loss: float) -> float:
+  return math.exp(loss) if loss < 700 else math.inf
+
+
+def _memory(peak_device: Optional[int], pinned_host: int, host_rss: Optional[int]) -> str:
   gib = 2**30
   device = f"peak device {peak_device / gib:.2f} GiB  " if peak_device else ""
-  return device + f"pinned host {pinned_host / gib:.2f} GiB"
+  rss = f"  host RSS {host_rss / gib:.2f} GiB" if host_rss else ""
+  return device + f"pinned host {pinned_host / gib:.2f} GiB" + rss

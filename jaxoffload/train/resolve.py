@@ -44,7 +44,7 @@ class Setup:
       which the model brings to the device layer by layer.
     schedule: the learning rate at each update.
     choice: what ``auto`` chose and why; None when the placement was given.
-    batches: step -> that step's tokens (numpy, the global batch).
+    data: the training and held-out batches (numpy), and the tokenizer.
   """
 
   config: Config
@@ -57,7 +57,7 @@ class Setup:
   fetched_by_model: Any
   schedule: optax.Schedule
   choice: Optional[autoplace.Choice]
-  batches: data.Batches
+  data: data.Data
 
   @property
   def host_kernel(self) -> bool:
@@ -81,7 +81,13 @@ class Setup:
     Every process computes the same global batch from the seed and the step, so
     no process needs another's data.
     """
-    tokens = self.batches(step)
+    return self._placed(self.data.train(step))
+
+  def eval_batch(self, i: int) -> jax.Array:
+    """The ``i``-th held-out batch, placed like ``global_batch``."""
+    return self._placed(self.data.eval(i))
+
+  def _placed(self, tokens) -> jax.Array:
     return jax.make_array_from_callback(tokens.shape, sharding.batch_sharding(self.mesh),
                                         lambda index: tokens[index])
 
@@ -97,7 +103,7 @@ def resolve(config: Config) -> Setup:
   groups = rules.layer_groups(config)
   mesh = _mesh(config)
   model = config.model.llama()
-  batches = data.batches(config)
+  run_data = data.make(config)
   probe = jnp.zeros((1, 2), jnp.int32)  # Parameters' shapes do not depend on the tokens'.
   shapes = abstract_params(Llama(model, groups), probe)
   shardings = sharding.logical_shardings(mesh, logical_param_specs(Llama(model, groups), probe))
@@ -120,7 +126,7 @@ def resolve(config: Config) -> Setup:
                            shardings, in_host)
   return Setup(config=config, model=model, groups=groups, mesh=mesh, param_shapes=shapes,
                param_shardings=shardings, offload=offload, fetched_by_model=fetched,
-               schedule=learning_rate(config), choice=choice, batches=batches)
+               schedule=learning_rate(config), choice=choice, data=run_data)
 
 
 def learning_rate(config: Config) -> optax.Schedule:

@@ -14,7 +14,7 @@ from jaxoffload import remat
 from jaxoffload.adam import UPDATE_PLACES
 from jaxoffload.placement import check_fraction
 from jaxoffload.train.config import Config, ConfigError
-from jaxoffload.train.data import BYTE_VOCAB_SIZE
+from jaxoffload.train.tokenizer import BYTE_VOCAB_SIZE
 
 DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLEMENTATIONS = (None, "xla", "cudnn")
@@ -215,13 +215,24 @@ def _check_model(config: Config) -> None:
 
 
 def _check_data_and_processes(config: Config) -> None:
-  data, d = config.data, config.distributed
-  if data.dataset == "text" and config.model.vocab_size < BYTE_VOCAB_SIZE:
+  data, d, e = config.data, config.distributed, config.eval
+  bytes_ = data.tokenizer is None and config.model.hf_checkpoint is None
+  if data.dataset == "text" and bytes_ and config.model.vocab_size < BYTE_VOCAB_SIZE:
     raise ConfigError(f"data.dataset=text needs model.vocab_size >= {BYTE_VOCAB_SIZE} "
-                      f"(byte tokens), got {config.model.vocab_size}")
-  if data.dataset == "synthetic" and data.text_file is not None:
-    raise ConfigError("data.text_file is set but data.dataset is 'synthetic'; "
-                      "set data.dataset=text to train on it")
+                      f"(byte tokens), got {config.model.vocab_size}; or name data.tokenizer")
+  for key in ("path", "tokenizer", "eos_token"):
+    if data.dataset == "synthetic" and getattr(data, key) is not None:
+      raise ConfigError(f"data.{key} is set but data.dataset is 'synthetic'; "
+                        f"set data.dataset=text to train on text")
+  _at_least("eval.interval", e.interval, 0)
+  _at_least("eval.iters", e.iters, 1)
+  if not 0 < e.fraction <= 0.5:
+    raise ConfigError(f"eval.fraction must be in (0, 0.5], got {e.fraction}")
+  if config.checkpoint.init_from and config.model.hf_checkpoint:
+    raise ConfigError("checkpoint.init_from and model.hf_checkpoint both name the first "
+                      "weights; set one")
+  _at_least("logging.profile_start_step", config.logging.profile_start_step, 1)
+  _at_least("logging.profile_steps", config.logging.profile_steps, 1)
   if not d.initialize and (d.coordinator_address, d.num_processes, d.process_id) != (None,) * 3:
     raise ConfigError("distributed.coordinator_address, num_processes and process_id take effect "
                       "only with distributed.initialize=True")

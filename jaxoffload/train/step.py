@@ -76,9 +76,9 @@ class Trainer:
     >>> loss = trainer.step(setup.global_batch(0))
   """
 
-  def __init__(self, setup: Setup):
+  def __init__(self, setup: Setup, params: Any = None):
     self.setup = setup
-    leaves, self._treedef = jax.tree.flatten(_init_params(setup))
+    leaves, self._treedef = jax.tree.flatten(_init_params(setup) if params is None else params)
     is_host = setup.offload.offloaded if setup.host_kernel else (False,) * len(leaves)
     self._is_host = list(is_host)
     self.params = [p for p, h in zip(leaves, is_host) if not h]
@@ -91,9 +91,10 @@ class Trainer:
     host_scalar = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec(),
                                              memory_kind="pinned_host")
     out_shardings = ([s for s, h in zip(shardings, is_host) if not h], state_shardings, None,
-                     [s for s, h in zip(shardings, is_host) if h],
+                     None, [s for s, h in zip(shardings, is_host) if h],
                      host_scalar if setup.host_kernel else None)
     self._step = jax.jit(self._train_step, donate_argnums=(0, 2), out_shardings=out_shardings)
+    self._eval_loss = jax.jit(self._loss)
     self._compiled = None
 
   @property
@@ -107,43 +108,88 @@ class Trainer:
                                       tokens).compile()
     return self._compiled
 
-  def step(self, tokens: jax.Array) -> jax.Array:
-    """One update from ``tokens``; returns the loss (before the update)."""
+  def step(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One update from ``tokens``; returns the loss (before the update) and the gradients'
+    global norm (before clipping)."""
     step = self._compiled or self._step
-    self.params, self.opt_state, loss, host_grads, clip_factor = step(
+    self.params, self.opt_state, loss, grad_norm, host_grads, clip_factor = step(
         self.params, self.host_params, self.opt_state, tokens)
     if self.host is not None:
       self.host.update(host_grads, clip_factor)
-    return loss
+    return loss, grad_norm
+
+  def evaluate(self, tokens: jax.Array) -> jax.Array:
+    """The loss on ``tokens`` at the current parameters, with no update."""
+    return self._eval_loss(self.params, self.host_params, tokens)
+
+  def checkpoint(self) -> dict:
+    """The whole state, for orbax: the full parameter tree (the host kernel's leaves as its
+    float32 weights), the optimizer state and the host kernel's own state."""
+    if self.host is None:
+      return {"params": self._tree(self.params, []), "opt_state": self.opt_state}
+    host = self.host.checkpoint()
+    return {"params": self._tree(self.params, host.pop("params")), "opt_state": self.opt_state,
+            "host": host}
+
+  def checkpoint_target(self) -> dict:
+    """What ``checkpoint`` returns, as shapes and placements: orbax's restore target."""
+    like = lambda x, sharding=None: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                         sharding=sharding or x.sharding)
+    target = {"params": jax.tree.map(like, self.setup.param_shapes, self.setup.param_shardings),
+              "opt_state": jax.tree.map(like, self.opt_state)}
+    if self.host is not None:
+      target["host"] = {k: v for k, v in self.host.checkpoint_target().items() if k != "params"}
+    return target
+
+  def load(self, state: dict) -> None:
+    """Continues from what ``checkpoint`` saved (restored into ``checkpoint_target``)."""
+    leaves = jax.tree.leaves(state["params"])
+    self.params = [p for p, h in zip(leaves, self._is_host) if not h]
+    self.opt_state = state["opt_state"]
+    if self.host is not None:
+      self.host.load({**state["host"], "params": [p for p, h in zip(leaves, self._is_host) if h]})
 
   def _tree(self, device_leaves, host_leaves) -> Any:
     device, host = iter(device_leaves), iter(host_leaves)
     return self._treedef.unflatten([next(host) if h else next(device) for h in self._is_host])
 
-  def _train_step(self, device_leaves, host_leaves, opt_state, tokens):
-    setup = self.setup
+  def _model_params(self, device_leaves, host_leaves) -> Any:
+    """The parameter tree as the model reads it."""
     params = self._tree(device_leaves, host_leaves)
     # The model brings weight-offloaded groups to the device layer by layer;
     # the host kernel's other leaves come now.
-    params = jax.tree.map(lambda p, fetched: p if fetched else to_device(p), params,
-                          setup.fetched_by_model)
+    return jax.tree.map(lambda p, fetched: p if fetched else to_device(p), params,
+                        self.setup.fetched_by_model)
+
+  def _loss(self, device_leaves, host_leaves, tokens):
+    model = self.setup.llama
+    params = self._model_params(device_leaves, host_leaves)
+    return next_token_loss(model.apply({"params": params}, tokens), tokens)
+
+  def _train_step(self, device_leaves, host_leaves, opt_state, tokens):
+    setup = self.setup
+    params = self._model_params(device_leaves, host_leaves)
     loss, grads = _loss_and_grads(setup, params, tokens)
     host_grads, clip_factor = [], None
     if setup.host_kernel:
       raw = [g for g, h in zip(jax.tree.leaves(grads), self._is_host) if h]
       host_grads = [to_host(g.astype(d)) for g, d in zip(raw, _transfer_dtypes(setup))]
-      # The norm in float32, as the host keeps these leaves; the same norm clips
-      # the device leaves in the optimizer below.
+      # The norm in float32, as the host keeps these leaves.
       grads = jax.tree.map(lambda g, host: g.astype(jnp.float32) if host else g, grads,
                            setup.offload.mask)
-      clip_factor = to_host(_clip_factor(grads, setup.config.optimizer.clip_grad))
+    # The same norm as optax.clip_by_global_norm's in the optimizer below.
+    grad_norm = optax.tree.norm(grads)
+    if setup.host_kernel:
+      # What clip_by_global_norm multiplies the device leaves' gradients by.
+      max_norm = setup.config.optimizer.clip_grad
+      clip_factor = to_host(jnp.where(grad_norm < max_norm, 1.0, max_norm / grad_norm))
     device_params = jax.tree.map(to_device, params)
     updates, opt_state = self._opt.update(grads, opt_state, device_params)
     new_params = optax.apply_updates(device_params, updates)
     new_params = jax.tree.map(lambda p, fetched: to_host(p) if fetched else p, new_params,
                               setup.fetched_by_model)
     return ([p for p, h in zip(jax.tree.leaves(new_params), self._is_host) if not h], opt_state,
-            loss, host_grads, clip_factor)
+            loss, grad_norm, host_grads, clip_factor)
 
   def _init_state(self):
     """The optimizer's state and its shardings, placed as every step will see them."""
@@ -160,12 +206,6 @@ class Trainer:
         lambda x: x.sharding if isinstance(x.sharding, jax.sharding.NamedSharding)
         else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()), state)
     return jax.device_put(state, shardings), shardings
-
-
-def _clip_factor(grads: Any, max_norm: float) -> jax.Array:
-  """What ``optax.clip_by_global_norm(max_norm)`` multiplies ``grads`` by."""
-  norm = optax.tree.norm(grads)
-  return jnp.where(norm < max_norm, 1.0, max_norm / norm)
 
 
 def _init_params(setup: Setup) -> Any:

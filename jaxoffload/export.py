@@ -1,0 +1,74 @@
+"""Write a trainer checkpoint as a Hugging Face Llama checkpoint: ``python -m jaxoffload.export``.
+
+  python -m jaxoffload.export CHECKPOINT OUT [--dtype bfloat16|float16|float32]
+
+CHECKPOINT is a run's ``checkpoint.dir`` (its newest step is taken) or one
+step directory in it. OUT receives ``config.json`` and safetensors, which
+transformers' ``from_pretrained`` and ``model.hf_checkpoint`` read, and the
+tokenizer files of the checkpoint the run started from (``model.hf_checkpoint``)
+or of its ``data.tokenizer``, where they still are. The parameters are read
+onto the CPU, whatever placement the run used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from typing import Optional
+
+from jaxoffload import hf
+from jaxoffload.hf_config import CheckpointError, stored_dtype
+from jaxoffload.train.config import ConfigError
+from jaxoffload.train.weights import run_params
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json")
+
+
+def export(checkpoint: str, out: str, dtype: Optional[str] = None) -> list[str]:
+  """Writes the run checkpointed in ``checkpoint`` to ``out``; returns the files written.
+
+  Args:
+    checkpoint: a trainer's checkpoint directory, or one step in it.
+    out: the Hugging Face checkpoint directory to write.
+    dtype: the tensors' dtype on disk; default: the stored dtype of the checkpoint the
+      run started from, else bfloat16.
+
+  Raises:
+    ConfigError: naming the checkpoint, when it cannot be read.
+  """
+  config, params = run_params(checkpoint)
+  source = config.model.hf_checkpoint
+  if dtype is None:
+    dtype = (stored_dtype(source) if source and os.path.isdir(source) else None) or "bfloat16"
+  hf.save_checkpoint(out, config.model.llama(), params, dtype=dtype)
+  tokenizer = source or config.data.tokenizer
+  if tokenizer is not None:
+    directory = tokenizer if os.path.isdir(tokenizer) else os.path.dirname(tokenizer)
+    for name in TOKENIZER_FILES:
+      if os.path.exists(os.path.join(directory, name)):
+        shutil.copyfile(os.path.join(directory, name), os.path.join(out, name))
+  return sorted(os.listdir(out))
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+  parser = argparse.ArgumentParser(prog="python -m jaxoffload.export", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("checkpoint", help="a run's checkpoint.dir, or one step directory in it")
+  parser.add_argument("out", help="the Hugging Face checkpoint directory to write")
+  parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
+                      help="dtype of the tensors on disk (default: the source checkpoint's, "
+                           "else bfloat16)")
+  args = parser.parse_args(argv)
+  try:
+    files = export(args.checkpoint, args.out, args.dtype)
+  except (ConfigError, CheckpointError) as error:
+    print(f"error: {error}", file=sys.stderr)
+    raise SystemExit(2) from None
+  print(f"wrote {args.out}: {', '.join(files)}")
+
+
+if __name__ == "__main__":
+  main()

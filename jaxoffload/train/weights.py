@@ -1,0 +1,78 @@
+"""A run's first weights: from a Hugging Face checkpoint, from another run, or random (None).
+
+Both sources write each leaf straight into the run's placement. Another run's
+checkpoint may have cut its layer stacks elsewhere (another
+``cpu_offloading_num_layers``): its parameters are then read onto the CPU in
+their own grouping, regrouped there, and placed leaf by leaf.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+
+from jaxoffload import hf
+from jaxoffload.hf_config import CheckpointError
+from jaxoffload.model import Llama
+from jaxoffload.params import abstract_params, regroup
+from jaxoffload.train import checkpoints as ckpt
+from jaxoffload.train import rules
+from jaxoffload.train.config import ConfigError
+from jaxoffload.train.loading import config_from_dict
+from jaxoffload.train.resolve import Setup
+
+
+def initial(setup: Setup) -> Optional[Any]:
+  """The first parameters ``setup`` names (``model.hf_checkpoint``, ``checkpoint.init_from``),
+  placed as ``setup.param_shardings`` says; None for a random start.
+
+  Raises:
+    ConfigError: one line naming the checkpoint and what is wrong with it.
+  """
+  c = setup.config
+  if c.model.hf_checkpoint is not None:
+    try:
+      return hf.load_checkpoint(c.model.hf_checkpoint, config=setup.model, groups=setup.groups,
+                                shardings=setup.param_shardings)[1]
+    except CheckpointError as error:
+      raise ConfigError(str(error)) from None
+  if c.checkpoint.init_from is not None:
+    return from_run(setup, c.checkpoint.init_from)
+  return None
+
+
+def targets(shapes: Any, shardings: Any) -> Any:
+  """``jax.ShapeDtypeStruct``s of ``shapes`` placed by ``shardings`` (one sharding for all, or
+  a tree of them)."""
+  if isinstance(shardings, jax.sharding.Sharding):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings),
+                        shapes)
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes,
+                      shardings)
+
+
+def run_params(path: str) -> tuple[Any, Any]:
+  """Another run's checkpoint: its config, and its parameters in its own layer grouping, read
+  onto the CPU."""
+  checkpoints, step = ckpt.locate(path)
+  config = config_from_dict(ckpt.read_meta(checkpoints, step)["config"])
+  shapes = abstract_params(Llama(config.model.llama(), rules.layer_groups(config)),
+                           jnp.zeros((1, 2), jnp.int32))
+  cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+  return config, ckpt.restore_params(checkpoints, step, targets(shapes, cpu))
+
+
+def from_run(setup: Setup, path: str) -> Any:
+  """The parameters of the run checkpointed in ``path``, in ``setup``'s grouping and placement
+  (``load_config`` gave ``setup`` that run's model shape)."""
+  checkpoints, step = ckpt.locate(path)
+  theirs = config_from_dict(ckpt.read_meta(checkpoints, step)["config"])
+  if (rules.layer_groups(theirs) == setup.groups
+      and theirs.model.params_dtype == setup.model.params_dtype):
+    return ckpt.restore_params(checkpoints, step,
+                               targets(setup.param_shapes, setup.param_shardings))
+  _, params = run_params(path)
+  return jax.tree.map(lambda x, shape, sharding: jax.device_put(x.astype(shape.dtype), sharding),
+                      regroup(params, setup.groups), setup.param_shapes, setup.param_shardings)

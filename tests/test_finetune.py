@@ -1,0 +1,113 @@
+"""Starting from a Hugging Face checkpoint or another run, and exporting back, through the trainer."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from jaxoffload import hf
+from jaxoffload.export import export
+from jaxoffload.export import main as export_main
+from jaxoffload.model import Llama, next_token_loss
+from jaxoffload.train import ConfigError, Trainer, load_config, resolve, run, weights
+from jaxoffload.train.__main__ import main
+
+CHECKPOINT = "tests/fixtures/tiny_llama"
+QUIET = lambda _: None
+FINE_TUNE = [f"model.hf_checkpoint={CHECKPOINT}", "data.dataset=text", "model.seq_length=32",
+             "train.global_batch_size=4", "train.micro_batch_size=4"]
+
+
+@pytest.mark.parametrize("offload", [
+    pytest.param([], marks=pytest.mark.slow, id="no-offload"),
+    pytest.param(["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=1.0",
+                  "optimizer.optimizer_offload_update_on=host_kernel", "model.cpu_offloading=True",
+                  "model.cpu_offloading_num_layers=1", "model.cpu_offloading_weights=True"],
+                 id="host-kernel-and-weights"),
+])
+def test_the_first_loss_is_the_checkpoints_own(offload):
+  config = load_config(None, FINE_TUNE + ["train.train_iters=1", *offload])
+  setup = resolve(config)
+  assert setup.model.num_layers == 2 and setup.model.rope_scaling_factor == 8.0
+  losses = run(config, log=QUIET).losses
+  model_config, params = hf.load_checkpoint(CHECKPOINT, config=setup.model)
+  tokens = jnp.asarray(setup.data.train(0))
+  want = next_token_loss(Llama(model_config).apply({"params": params}, tokens), tokens)
+  np.testing.assert_allclose(losses[0], float(want), rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_fine_tuning_checkpoints_and_exports_bit_exactly(tmp_path):
+  # One step at the warm-up's first learning rate, 0, leaves the weights as they came.
+  run(load_config(None, FINE_TUNE + ["train.train_iters=1", f"checkpoint.dir={tmp_path}/run"]),
+      log=QUIET)
+  files = export(str(tmp_path / "run"), str(tmp_path / "hf"))
+  assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= set(files)
+  original = load_file(os.path.join(CHECKPOINT, "model.safetensors"))
+  exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
+  assert sorted(exported) == sorted(original)
+  for name, tensor in original.items():
+    assert exported[name].dtype == tensor.dtype
+    np.testing.assert_array_equal(exported[name], tensor)
+  assert hf.load_checkpoint(str(tmp_path / "hf"))[0] == hf.load_checkpoint(CHECKPOINT)[0]
+
+
+@pytest.mark.slow
+def test_another_runs_weights_start_a_run_whatever_its_grouping(tmp_path):
+  first = FINE_TUNE + ["train.train_iters=3", f"checkpoint.dir={tmp_path}/first",
+                       "model.cpu_offloading=True", "model.cpu_offloading_num_layers=1"]
+  run(load_config(None, first), log=QUIET)
+  _, trained = weights.run_params(str(tmp_path / "first"))
+  assert sorted(k for k in trained if k.startswith("layers")) == ["layers_0_1", "layers_1_2"]
+  second = load_config(None, FINE_TUNE[1:] + [f"checkpoint.init_from={tmp_path}/first",
+                                              f"data.tokenizer={CHECKPOINT}",
+                                              "optimizer.optimizer_cpu_offload=True",
+                                              "optimizer.optimizer_offload_fraction=0.5"])
+  setup = resolve(second)
+  assert [g.stop - g.start for g in setup.groups] == [2]
+  params = Trainer(setup, weights.initial(setup)).checkpoint()["params"]
+  np.testing.assert_array_equal(np.asarray(params["layers_0_2"]["mlp"]["up"]["kernel"]),
+                                np.concatenate([np.asarray(trained["layers_0_1"]["mlp"]["up"]["kernel"]),
+                                                np.asarray(trained["layers_1_2"]["mlp"]["up"]["kernel"])]))
+  for name in ("embed", "lm_head", "final_norm"):
+    for got, want in zip(jax.tree.leaves(params[name]), jax.tree.leaves(trained[name])):
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.slow
+def test_a_run_of_another_model_is_refused(tmp_path, capsys):
+  run(load_config(None, ["train.train_iters=1", f"checkpoint.dir={tmp_path}"]), log=QUIET)
+  with pytest.raises(SystemExit) as exit_:
+    main([f"checkpoint.init_from={tmp_path}", "model.num_layers=2", "train.train_iters=1"])
+  assert exit_.value.code == 2
+  assert capsys.readouterr().err == (
+      f"error: model.num_layers=2 disagrees with the run in {tmp_path}, which makes it 4; "
+      f"leave model.num_layers out\n")
+
+
+def test_a_bad_checkpoint_exits_2_with_one_line(tmp_path, capsys):
+  directory = tmp_path / "broken"
+  directory.mkdir()
+  for name in os.listdir(CHECKPOINT):
+    (directory / name).write_bytes(open(os.path.join(CHECKPOINT, name), "rb").read())
+  (directory / "model.safetensors").write_bytes(b"\x00" * 32)
+  with pytest.raises(SystemExit) as exit_:
+    main([f"model.hf_checkpoint={directory}", "train.train_iters=1", "model.seq_length=32"])
+  assert exit_.value.code == 2
+  err = capsys.readouterr().err
+  assert err.startswith(f"error: {directory}/model.safetensors: not a readable safetensors file")
+  assert err.count("\n") == 1
+  with pytest.raises(SystemExit) as exit_:
+    export_main([str(tmp_path / "no-run"), str(tmp_path / "out")])
+  assert exit_.value.code == 2
+  assert capsys.readouterr().err == f"error: checkpoint '{tmp_path}/no-run' is not a directory\n"
+
+
+def test_shape_keys_beside_a_checkpoint_must_agree():
+  with pytest.raises(ConfigError, match=r"^model.num_layers=5 disagrees with "
+                                        r"tests/fixtures/tiny_llama/config.json, which makes it 2; "
+                                        r"leave model.num_layers out$"):
+    load_config(None, [f"model.hf_checkpoint={CHECKPOINT}", "model.num_layers=5"])
