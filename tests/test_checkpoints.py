@@ -27,8 +27,12 @@ HOST_KERNEL = ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offl
     pytest.param(HOST_KERNEL + ["optimizer.delayed_update=True",
                                 "optimizer.delayed_update_predict_weights=True"],
                  marks=pytest.mark.slow),
+    # Tokenized text with a held-out split and evaluations: the batches are a
+    # function of the step, and the evaluations' losses land in the records.
+    pytest.param(["data.dataset=text", "data.tokenizer=tests/fixtures/tiny_llama",
+                  "eval.interval=3", "eval.iters=2"], marks=pytest.mark.slow),
 ], ids=["plain", "optimizer-offload", "host-kernel-delayed", "host-kernel",
-        "host-kernel-delayed-bfloat16", "host-kernel-delayed-predicted"])
+        "host-kernel-delayed-bfloat16", "host-kernel-delayed-predicted", "text-with-evaluation"])
 def test_resume_continues_exactly(tmp_path, offload):
   whole = train(load_config(None, ["train.train_iters=10", *offload]), log=QUIET)
   with_checkpoints = load_config(None, ["train.train_iters=10", f"checkpoint.dir={tmp_path}",

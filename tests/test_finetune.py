@@ -1,12 +1,13 @@
 """Starting from a Hugging Face checkpoint or another run, and exporting back, through the trainer."""
 
+import json
 import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from safetensors.numpy import load_file
+from safetensors.numpy import load_file, save_file
 
 from jaxoffload import hf
 from jaxoffload.export import export
@@ -88,18 +89,52 @@ def test_a_run_of_another_model_is_refused(tmp_path, capsys):
       f"leave model.num_layers out\n")
 
 
-def test_a_bad_checkpoint_exits_2_with_one_line(tmp_path, capsys):
+def broken_copy(tmp_path, damage):
   directory = tmp_path / "broken"
   directory.mkdir()
   for name in os.listdir(CHECKPOINT):
     (directory / name).write_bytes(open(os.path.join(CHECKPOINT, name), "rb").read())
-  (directory / "model.safetensors").write_bytes(b"\x00" * 32)
+  damage(directory)
+  return directory
+
+
+def wrong_shape(directory):
+  weights = load_file(str(directory / "model.safetensors"))
+  weights["model.norm.weight"] = np.ones(16, np.float32)
+  save_file(weights, str(directory / "model.safetensors"))
+
+
+def missing_shard(directory):
+  names = load_file(str(directory / "model.safetensors"))
+  (directory / "model.safetensors").unlink()
+  (directory / "model.safetensors.index.json").write_text(json.dumps(
+      {"weight_map": {name: "model-00002-of-00002.safetensors" for name in names}}))
+
+
+def unknown_architecture(directory):
+  config = json.loads((directory / "config.json").read_text())
+  (directory / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+
+
+@pytest.mark.parametrize("damage, problem", [
+    (lambda d: (d / "model.safetensors").write_bytes(b"\x00" * 32),
+     "/model.safetensors: not a readable safetensors file"),
+    (wrong_shape, "/model.safetensors: tensor model.norm.weight has shape [16]; config.json "
+                  "makes it [32]"),
+    (missing_shard, "/model.safetensors.index.json names the shard "
+                    "model-00002-of-00002.safetensors, which is missing"),
+    (unknown_architecture, "/config.json: model_type 'gpt2' is not supported"),
+], ids=["corrupt-header", "wrong-shape", "missing-shard", "unknown-architecture"])
+def test_a_bad_checkpoint_exits_2_with_one_line(tmp_path, capsys, damage, problem):
+  directory = broken_copy(tmp_path, damage)
   with pytest.raises(SystemExit) as exit_:
     main([f"model.hf_checkpoint={directory}", "train.train_iters=1", "model.seq_length=32"])
   assert exit_.value.code == 2
   err = capsys.readouterr().err
-  assert err.startswith(f"error: {directory}/model.safetensors: not a readable safetensors file")
-  assert err.count("\n") == 1
+  assert err.startswith(f"error: {directory}{problem}") and err.count("\n") == 1
+
+
+def test_export_of_no_run_exits_2_with_one_line(tmp_path, capsys):
   with pytest.raises(SystemExit) as exit_:
     export_main([str(tmp_path / "no-run"), str(tmp_path / "out")])
   assert exit_.value.code == 2
