@@ -1,33 +1,24 @@
 """Weights and Adam moments on the host, updated by the host's cores between device steps.
 
 ZeRO-Offload's arrangement, for the leaves you choose: their float32 weights
-live in ``pinned_host`` memory (your device step reads them from there), their
-Adam moments in host memory that only the host touches, and ``HostAdamW``
-applies each step's gradients with the multi-threaded ``host_adam`` kernel,
-writing the weights the next device step reads. The device never holds their
-optimizer state; only the gradients come down and the weights go up.
+live in ``pinned_host`` memory (the device step reads them there), their Adam
+moments in host memory only the host touches, and ``HostAdamW`` applies each
+step's gradients with the multi-threaded ``host_adam`` kernel. Only the
+gradients come down and the weights go up.
 
-With ``delayed=True`` (ZeRO-Offload's one-step delayed parameter update) the
-host applies step t's gradients while the device computes step t + 1, so
-host work hides under device work: step t + 1's gradients are then taken at
-weights that lack step t's update (the other leaves, if any, are not
-delayed). The weights alternate between two buffers, one read by the device
-while the host writes the other. ``delay_after`` keeps the first
-updates exact: early in training, where gradients change fastest, a stale one
-can overshoot.
-``predict_weights`` (weight prediction, as in PipeMare and SpecTrain) lets the
-device read, instead of the weights that lack one update, those weights moved
-by their latest update once more (``2 * w_t - w_(t-1)``): Adam's consecutive
-updates point nearly the same way, so that stands in for the update still
-pending. The host keeps the true weights; the device reads a copy.
+``delayed=True`` (ZeRO-Offload's one-step delayed update) applies step t's
+gradients while the device computes step t + 1, whose gradients are then taken
+at weights that lack step t's update; the weights alternate between two
+buffers. ``delay_after`` keeps the first updates exact, where gradients change
+fastest. ``predict_weights`` (weight prediction, as in PipeMare and SpecTrain)
+lets the device read ``2 * w_t - w_(t-1)`` instead, standing in for the update
+still pending; the host keeps the true weights.
 
-With ``device_dtypes`` bfloat16 for a leaf, the device reads a bfloat16 copy
-of its weights that the kernel writes beside the float32 ones, and sends its
+With ``device_dtypes`` bfloat16 for a leaf, the device reads a bfloat16 copy of
+its weights that the kernel writes beside the float32 ones, and sends its
 gradient in bfloat16: half the bytes each way. A model that multiplies in
-bfloat16 rounds those weights to the same bfloat16 values itself, so only
-the gradient's rounding is new (none when the gradient comes out of a
-bfloat16 matmul already); the moments and the weights the host keeps stay
-float32.
+bfloat16 rounds those weights so itself; the gradient's rounding is new only
+when it did not come out of a bfloat16 matmul already.
 
 The update writes into JAX arrays behind JAX's back (``host_adam.writable_view``):
 keep to the loop below (dispatch the step, then ``update``), and never pass

@@ -16,6 +16,8 @@ from jaxoffload import hf  # noqa: E402
 from jaxoffload.model import Llama  # noqa: E402
 from jaxoffload.train import load_config, resolve, run  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 COMMON = dict(vocab_size=128, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
               max_position_embeddings=64, rms_norm_eps=1e-6)
 MODELS = {

@@ -76,6 +76,9 @@ def run(config: Config, *, log: Log = print, stop_after_step: Optional[int] = No
     log = lambda _: None
   setup = resolve(config)
   config = setup.config
+  # Made first: a missing writer is found before anything compiles.
+  tensorboard = (metrics.TensorBoard(config.logging.tensorboard_dir)
+                 if config.logging.tensorboard_dir and reporting else None)
   checkpoints = ckpt.manager(config)
   first = 0
   if checkpoints is not None and config.checkpoint.resume and checkpoints.latest_step() is not None:
@@ -94,7 +97,7 @@ def run(config: Config, *, log: Log = print, stop_after_step: Optional[int] = No
   pinned, offloaded_state = _host_bytes(trainer)
   last = (config.train.train_iters if stop_after_step is None
           else min(stop_after_step, config.train.train_iters))
-  meter = _monitor(setup, pinned + host_temp, log, reporting)
+  meter = _monitor(setup, pinned + host_temp, log, reporting, tensorboard)
   try:
     _train(setup, trainer, checkpoints, meter, range(first, last), log)
   finally:
@@ -125,7 +128,8 @@ def _train(setup: Setup, trainer: Trainer, checkpoints, meter: metrics.Monitor, 
     profiler.after(i + 1, trainer.params)
     due = config.eval.interval and ((i + 1) % config.eval.interval == 0 or i + 1 == steps.stop)
     meter.record(step=i + 1, loss=loss, step_s=step_s,
-                 learning_rate=float(setup.schedule(i)), grad_norm=float(grad_norm),
+                 learning_rate=float(setup.schedule(i)),
+                 grad_norm=float(grad_norm.addressable_data(0)),
                  eval_loss=_evaluate(setup, trainer) if due else None)
     if not math.isfinite(loss):
       _stop_on_bad_loss(loss, i + 1, checkpoints)
@@ -140,12 +144,11 @@ def _evaluate(setup: Setup, trainer: Trainer) -> float:
   return sum(float(x.addressable_data(0)) for x in losses) / len(losses)
 
 
-def _monitor(setup: Setup, pinned_host_bytes: int, log: Log, reporting: bool) -> metrics.Monitor:
+def _monitor(setup: Setup, pinned_host_bytes: int, log: Log, reporting: bool,
+             tensorboard: Optional[metrics.TensorBoard]) -> metrics.Monitor:
   """Where each step's figures go: the progress line, JSONL, TensorBoard."""
   config, m, t = setup.config, setup.config.model, setup.config.train
   jsonl = open(config.logging.jsonl, "a") if config.logging.jsonl and reporting else None
-  tensorboard = (metrics.TensorBoard(config.logging.tensorboard_dir)
-                 if config.logging.tensorboard_dir and reporting else None)
   return metrics.Monitor(
       total_steps=t.train_iters, tokens_per_step=t.global_batch_size * m.seq_length,
       flops_per_token=metrics.flops_per_token(setup.model, m.seq_length),
