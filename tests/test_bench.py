@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from jaxoffload.bench import settings
+from jaxoffload.bench.__main__ import main as bench_main
 from jaxoffload.train import load_config
 
 
@@ -74,15 +75,14 @@ def test_a_run_on_the_tiny_model_writes_json_table_and_plots(tmp_path):
 def test_resume_refuses_results_of_other_steps(tmp_path):
   (tmp_path / "x.json").write_text(json.dumps({"meta": {"config": "(defaults)", "steps": 10},
                                                "results": []}))
-  done = subprocess.run([sys.executable, "-m", "jaxoffload.bench", "--resume", "--steps", "3",
-                         "--out", str(tmp_path / "x")], capture_output=True, text=True,
-                        timeout=300)
-  assert done.returncode == 1
-  assert done.stderr.strip().endswith("measured (defaults) for 10 steps, not (defaults) for 3")
+  with pytest.raises(SystemExit) as exit_:
+    bench_main(["--resume", "--steps", "3", "--out", str(tmp_path / "x")])
+  assert str(exit_.value).endswith("measured (defaults) for 10 steps, not (defaults) for 3")
 
 
-def test_unknown_setting_names_the_known_ones(tmp_path):
-  done = subprocess.run([sys.executable, "-m", "jaxoffload.bench", "--settings", "optimiser 0.5",
-                         "--out", str(tmp_path / "x")], capture_output=True, text=True, timeout=300)
-  assert done.returncode == 2
-  assert done.stderr.startswith("error: unknown settings ['optimiser 0.5']; known: ['baseline',")
+def test_unknown_setting_names_the_known_ones(tmp_path, capsys):
+  with pytest.raises(SystemExit) as exit_:
+    bench_main(["--settings", "optimiser 0.5", "--out", str(tmp_path / "x")])
+  assert exit_.value.code == 2
+  assert capsys.readouterr().err.startswith(
+      "error: unknown settings ['optimiser 0.5']; known: ['baseline',")
