@@ -55,7 +55,6 @@ def groups_for(mode: str, num_layers: int):
 
 def measure(mode: str, size: str, batch: int, seq: int, steps: int) -> dict:
   import jax
-  import jax.numpy as jnp
 
   import jaxoffload
   from jaxoffload.memory import offloaded_activation_bytes
