@@ -195,8 +195,7 @@ def _tensors(config: LlamaConfig, params: Any, dtype) -> Iterator[tuple[str, np.
   """The checkpoint's tensors, in transformers' order, one leaf on the host at a time."""
   by_path = {leaf_path(path): leaf
              for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
-  for path in ("embed/embedding",):
-    yield GLOBAL_TENSORS[path][0], np.asarray(by_path[path]).astype(dtype)
+  yield GLOBAL_TENSORS["embed/embedding"][0], np.asarray(by_path["embed/embedding"]).astype(dtype)
   groups = sorted({p.split("/")[0] for p in by_path if p.startswith("layers_")},
                   key=lambda g: int(g.split("_")[1]))
   for group in groups:

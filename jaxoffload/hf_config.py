@@ -18,7 +18,7 @@ from typing import Any, Optional
 from jaxoffload.model import LlamaConfig
 
 CONFIG_FILE = "config.json"
-DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
+DTYPES = ("bfloat16", "float16", "float32")
 
 
 class CheckpointError(ValueError):
@@ -102,7 +102,8 @@ def stored_dtype(directory: str) -> Optional[str]:
   """The dtype config.json says the weights are stored in (``torch_dtype`` or ``dtype``)."""
   with open(os.path.join(directory, CONFIG_FILE)) as f:
     raw = json.load(f)
-  return DTYPES.get(raw.get("torch_dtype") or raw.get("dtype"))
+  dtype = raw.get("torch_dtype") or raw.get("dtype")
+  return dtype if dtype in DTYPES else None
 
 
 def hf_config(config: LlamaConfig, dtype: str) -> dict[str, Any]:

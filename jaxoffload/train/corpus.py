@@ -90,7 +90,13 @@ def cache_key(files: list[str], tokenizer: Tokenizer, text_field: str) -> str:
 
 def cache_path(path: str, key: str) -> str:
   """Where the tokens of ``data.path`` are cached: beside the data, else in the user's cache."""
-  beside = path if os.path.isdir(path) else os.path.dirname(path.split("*")[0]) or "."
+  if os.path.isdir(path):
+    beside = path
+  else:
+    # A file's own directory; a glob's deepest directory before its first pattern.
+    parts = path.split(os.sep)
+    fixed = parts[:next((i for i, p in enumerate(parts) if glob.has_magic(p)), len(parts) - 1)]
+    beside = os.sep.join(fixed) or ("/" if path.startswith(os.sep) else ".")
   directory = os.path.join(beside, CACHE_DIR)
   try:
     os.makedirs(directory, exist_ok=True)
