@@ -17,8 +17,9 @@ HOST_KERNEL = ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offl
 
 
 @pytest.mark.parametrize("offload", [
-    pytest.param([], marks=pytest.mark.slow),
-    ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5"],
+    [],
+    pytest.param(["optimizer.optimizer_cpu_offload=True",
+                  "optimizer.optimizer_offload_fraction=0.5"], marks=pytest.mark.slow),
     pytest.param(HOST_KERNEL + ["optimizer.delayed_update=True"], marks=pytest.mark.slow),
     pytest.param(HOST_KERNEL, marks=pytest.mark.slow),
     pytest.param(HOST_KERNEL + ["optimizer.delayed_update=True",

@@ -23,11 +23,11 @@ FINE_TUNE = [f"model.hf_checkpoint={CHECKPOINT}", "data.dataset=text", "model.se
 
 
 @pytest.mark.parametrize("offload", [
-    pytest.param([], marks=pytest.mark.slow, id="no-offload"),
+    pytest.param([], id="no-offload"),
     pytest.param(["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=1.0",
                   "optimizer.optimizer_offload_update_on=host_kernel", "model.cpu_offloading=True",
                   "model.cpu_offloading_num_layers=1", "model.cpu_offloading_weights=True"],
-                 id="host-kernel-and-weights"),
+                 marks=pytest.mark.slow, id="host-kernel-and-weights"),
 ])
 def test_the_first_loss_is_the_checkpoints_own(offload):
   config = load_config(None, FINE_TUNE + ["train.train_iters=1", *offload])
