@@ -4,19 +4,26 @@ Random Llama checkpoints written by transformers: their logits, and the loss
 after one AdamW step, equal ours.
 """
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
-import jax.numpy as jnp  # noqa: E402
-
-from jaxoffload import hf  # noqa: E402
-from jaxoffload.model import Llama  # noqa: E402
-from jaxoffload.train import load_config, resolve, run  # noqa: E402
+from jaxoffload import hf
+from jaxoffload.model import Llama
+from jaxoffload.train import load_config, resolve, run
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def torch():
+  # Imported here, not at collection: the fast tier never pays for torch.
+  return pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def transformers(torch):
+  return pytest.importorskip("transformers")
 
 COMMON = dict(vocab_size=128, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
               max_position_embeddings=64, rms_norm_eps=1e-6)
@@ -31,7 +38,7 @@ MODELS = {
 }
 
 
-def checkpoint(tmp_path, name):
+def checkpoint(torch, transformers, tmp_path, name):
   torch.manual_seed(0)
   model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON, **MODELS[name]))
   model.save_pretrained(tmp_path / name, safe_serialization=True)
@@ -39,8 +46,8 @@ def checkpoint(tmp_path, name):
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_logits_equal_transformers(tmp_path, name):
-  model, directory = checkpoint(tmp_path, name)
+def test_logits_equal_transformers(torch, transformers, tmp_path, name):
+  model, directory = checkpoint(torch, transformers, tmp_path, name)
   tokens = np.random.default_rng(0).integers(0, COMMON["vocab_size"], (2, 40))
   with torch.no_grad():
     want = model(torch.tensor(tokens)).logits.numpy()
@@ -53,8 +60,8 @@ def test_logits_equal_transformers(tmp_path, name):
                                           "optimizer.optimizer_offload_fraction=1.0",
                                           "optimizer.optimizer_offload_update_on=host_kernel"]],
                          ids=["no-offload", "host-kernel"])
-def test_one_adamw_step_lands_where_torch_lands(tmp_path, offload):
-  model, directory = checkpoint(tmp_path, "gqa-llama3-rope")
+def test_one_adamw_step_lands_where_torch_lands(torch, transformers, tmp_path, offload):
+  model, directory = checkpoint(torch, transformers, tmp_path, "gqa-llama3-rope")
   lr, b1, b2, eps, decay = 1e-2, 0.9, 0.95, 1e-8, 0.1
   config = load_config(None, [
       f"model.hf_checkpoint={directory}", "model.seq_length=32", "train.train_iters=2",
