@@ -115,7 +115,7 @@ def test_losses_equal_the_baseline(overrides, baseline_losses):
 @pytest.mark.parametrize("overrides", [
     pytest.param([], marks=SLOW, id="no-offload"),
     pytest.param(["optimizer.optimizer_cpu_offload=True",
-                  "optimizer.optimizer_offload_fraction=0.5"], id="optimizer-offload")])
+                  "optimizer.optimizer_offload_fraction=0.5"], marks=SLOW, id="optimizer-offload")])
 def test_train_step_compiles_once(overrides):
   setup = resolve(load_config(None, overrides))
   trainer = Trainer(setup)
@@ -226,6 +226,7 @@ def test_host_kernel_step_leaves_what_the_host_reads_in_host_memory():
   assert clip_factor.sharding.memory_kind == "pinned_host"
 
 
+@pytest.mark.slow
 def test_offloaded_state_counts_the_host_kernels_weights_and_moments_once():
   # Its second weight buffer (delayed updates) is pinned memory, not state the
   # device would otherwise hold: the predicted saving leaves it out.
