@@ -75,12 +75,24 @@ def peak_rss() -> int:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def stage(name: str) -> None:
-  """One line on stderr per stage with the host memory then, to see where a run ends."""
-  from jaxoffload.memory import host_rss_bytes
+STAGES: list[str] = []
 
-  print(f"{name}: host RSS {host_rss_bytes() / 2**30:.1f} GiB, peak {peak_rss() / 2**30:.1f} GiB",
-        file=sys.stderr, flush=True)
+
+def stage(name: str) -> None:
+  """One line per stage with the host memory then, on stderr (to see where a killed run
+  ended) and in the result."""
+  import jax
+
+  from jaxoffload.memory import bytes_by_memory_kind, host_rss_bytes
+
+  pinned = bytes_by_memory_kind(jax.live_arrays()).get("pinned_host", 0)
+  with open("/proc/self/status") as f:  # Anonymous, file-backed (mapped checkpoints), shared.
+    kinds = [" ".join(line.split()[:2]) for line in f if line.startswith(("RssAnon", "RssFile",
+                                                                          "RssShmem"))]
+  STAGES.append(f"{name}: host RSS {host_rss_bytes() / 2**30:.1f} GiB ({', '.join(kinds)} kB), "
+                f"peak {peak_rss() / 2**30:.1f} GiB, live pinned_host arrays "
+                f"{pinned / 2**30:.1f} GiB")
+  print(STAGES[-1], file=sys.stderr, flush=True)
 
 
 def fine_tune(directory: str, config_path: str, overrides: list[str], export_dir: str) -> dict:
@@ -111,10 +123,11 @@ def fine_tune(directory: str, config_path: str, overrides: list[str], export_dir
     stage(f"step {i + 1}: loss {losses[-1]:.4f} in {step_s[-1]:.2f} s")
   start = time.perf_counter()
   hf.save_checkpoint(export_dir, setup.model, trainer.checkpoint()["params"])
-  stage(f"exported in {time.perf_counter() - start:.1f} s")
+  export_s = time.perf_counter() - start
+  stage(f"exported in {export_s:.1f} s")
   return {"import_s": import_s, "peak_rss_after_import": import_rss, "compile_s": compile_s,
-          "losses": losses, "step_s": step_s, "export_s": time.perf_counter() - start,
-          "peak_rss": peak_rss(), "offloaded_state_bytes": jaxoffload.bytes_by_memory_kind(
+          "losses": losses, "step_s": step_s, "export_s": export_s,
+          "peak_rss": peak_rss(), "stages": STAGES, "offloaded_state_bytes": jaxoffload.bytes_by_memory_kind(
               (trainer.params, trainer.opt_state)).get("pinned_host", 0)}
 
 
@@ -145,11 +158,13 @@ def main() -> None:
   table = "\n".join([
       f"# {args.shape} checkpoint through the trainer", "", f"Command: `{metadata(sys.argv)['command']}`",
       "", "| checkpoint (GiB) | import (s) | peak RSS after import (GiB) | pinned host state (GiB) "
-      "| compile (s) | median step (s) | export (s) |", "|---|---|---|---|---|---|---|",
+      "| compile (s) | median step (s) | export (s) | peak RSS (GiB) |",
+      "|---|---|---|---|---|---|---|---|",
       f"| {made['checkpoint_bytes'] / gib:.2f} | {tuned['import_s']:.1f} "
       f"| {tuned['peak_rss_after_import'] / gib:.2f} | {tuned['offloaded_state_bytes'] / gib:.2f} "
       f"| {tuned['compile_s']:.1f} | {sorted(tuned['step_s'])[len(tuned['step_s']) // 2]:.2f} "
-      f"| {tuned['export_s']:.1f} |", ""])
+      f"| {tuned['export_s']:.1f} | {tuned['peak_rss'] / gib:.2f} |", "",
+      "Host memory by stage:", "", *(f"- {line}" for line in tuned["stages"]), ""])
   write_report(args.out, {**metadata(sys.argv), "shape": args.shape}, [result], table)
 
 

@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 from typing import Any, Iterator, Optional, Sequence
@@ -26,6 +27,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from jaxoffload._compat import to_device
 from jaxoffload.hf_config import CONFIG_FILE, CheckpointError, hf_config, read_config
 from jaxoffload.model import Llama, LlamaConfig
 from jaxoffload.params import abstract_params
@@ -191,28 +193,50 @@ def _reader(source: tuple[list[str], bool], stacked: bool, names: dict, handles:
   return read
 
 
+def _tensor(leaf: Any, index: Optional[int], dtype, transposed: bool) -> np.ndarray:
+  """The checkpoint tensor ``leaf`` holds (its layer ``index`` when stacked), in ``dtype``."""
+  if isinstance(leaf, jax.Array):
+    return np.asarray(_stored(leaf, index, dtype=dtype, transposed=transposed))
+  part = leaf if index is None else leaf[index]
+  return np.ascontiguousarray((part.T if transposed else part).astype(dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "transposed"))
+def _stored(leaf: jax.Array, index: Optional[jax.Array], *, dtype, transposed: bool) -> jax.Array:
+  """Cast and laid out on the device, so the host receives only the stored bytes; a new
+  array (``jnp.copy``), so the host copy ``np.asarray`` caches dies with it, not with the
+  run's parameter."""
+  part = to_device(leaf if index is None else leaf[index]).astype(dtype)
+  return jnp.copy(part.T if transposed else part)
+
+
 def _tensors(config: LlamaConfig, params: Any, dtype) -> Iterator[tuple[str, np.ndarray]]:
-  """The checkpoint's tensors, in transformers' order, one leaf on the host at a time."""
+  """The checkpoint's tensors, in transformers' order, one on the host at a time."""
   by_path = {leaf_path(path): leaf
              for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
-  yield GLOBAL_TENSORS["embed/embedding"][0], np.asarray(by_path["embed/embedding"]).astype(dtype)
+  yield GLOBAL_TENSORS["embed/embedding"][0], _tensor(by_path["embed/embedding"], None, dtype,
+                                                       False)
   groups = sorted({p.split("/")[0] for p in by_path if p.startswith("layers_")},
                   key=lambda g: int(g.split("_")[1]))
   for group in groups:
     start = int(group.split("_")[1])
     for sub, (name, transposed) in LAYER_TENSORS.items():
-      stack = np.asarray(by_path[f"{group}/{sub}"])
-      for i, layer in enumerate(stack):
-        yield f"model.layers.{start + i}.{name}", np.ascontiguousarray(
-            (layer.T if transposed else layer).astype(dtype))
-  yield GLOBAL_TENSORS["final_norm/scale"][0], np.asarray(by_path["final_norm/scale"]).astype(dtype)
+      stack = by_path[f"{group}/{sub}"]
+      for i in range(stack.shape[0]):
+        yield f"model.layers.{start + i}.{name}", _tensor(stack, i, dtype, transposed)
+  yield GLOBAL_TENSORS["final_norm/scale"][0], _tensor(by_path["final_norm/scale"], None, dtype,
+                                                        False)
   if not config.share_embeddings_and_output_weights:
-    yield "lm_head.weight", np.ascontiguousarray(np.asarray(by_path["lm_head/kernel"]).T.astype(dtype))
+    yield "lm_head.weight", _tensor(by_path["lm_head/kernel"], None, dtype, True)
 
 
 def save_checkpoint(directory: str, config: LlamaConfig, params: Any, *,
                     dtype: str = "bfloat16", max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
   """Writes ``params`` as a checkpoint transformers and ``load_checkpoint`` read.
+
+  Each shard is written as soon as it is full, so the host holds at most one
+  shard and one tensor more; each tensor is cast on the device, which holds
+  one tensor more while it is.
 
   Args:
     directory: created if missing; ``config.json`` and one safetensors file, or
@@ -220,24 +244,35 @@ def save_checkpoint(directory: str, config: LlamaConfig, params: Any, *,
     config: the model's config.
     params: its parameter tree, any layer grouping, sharding or memory kind.
     dtype: the tensors' dtype on disk: bfloat16, float16 or float32.
+
+  Example:
+    >>> save_checkpoint("fine-tuned", config, params)
   """
   os.makedirs(directory, exist_ok=True)
   dtype = jnp.dtype(dtype)
-  shards: list[dict[str, np.ndarray]] = [{}]
-  size = 0
+  # Shards are written under their number alone: their count is known only at the end.
+  written: list[tuple[str, dict[str, int]]] = []
+  shard: dict[str, np.ndarray] = {}
+
+  def flush() -> None:
+    file = os.path.join(directory, f"model-{len(written) + 1:05d}.safetensors.partial")
+    save_file(shard, file, metadata={"format": "pt"})
+    written.append((file, {name: tensor.nbytes for name, tensor in shard.items()}))
+    shard.clear()
+
   for name, tensor in _tensors(config, params, dtype):
-    if size and size + tensor.nbytes > max_shard_bytes:
-      shards.append({})
-      size = 0
-    shards[-1][name] = tensor
-    size += tensor.nbytes
-  files = ([WEIGHTS_FILE] if len(shards) == 1 else
-           [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-  for file, tensors in zip(files, shards):
-    save_file(tensors, os.path.join(directory, file), metadata={"format": "pt"})
-  if len(shards) > 1:
-    index = {"metadata": {"total_size": sum(t.nbytes for s in shards for t in s.values())},
-             "weight_map": {name: file for file, s in zip(files, shards) for name in s}}
+    if shard and sum(t.nbytes for t in shard.values()) + tensor.nbytes > max_shard_bytes:
+      flush()
+    shard[name] = tensor
+  flush()
+  files = ([WEIGHTS_FILE] if len(written) == 1 else
+           [f"model-{i + 1:05d}-of-{len(written):05d}.safetensors" for i in range(len(written))])
+  for file, (partial, _) in zip(files, written):
+    os.replace(partial, os.path.join(directory, file))
+  if len(written) > 1:
+    index = {"metadata": {"total_size": sum(sum(sizes.values()) for _, sizes in written)},
+             "weight_map": {name: file for file, (_, sizes) in zip(files, written)
+                            for name in sizes}}
     with open(os.path.join(directory, INDEX_FILE), "w") as f:
       json.dump(index, f, indent=2)
   with open(os.path.join(directory, CONFIG_FILE), "w") as f:

@@ -107,6 +107,10 @@ def test_shards_and_an_index_past_the_shard_size(tmp_path):
   index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
   files = sorted(set(index["weight_map"].values()))
   assert len(files) > 1 and not (tmp_path / "model.safetensors").exists()
+  assert sorted(p.name for p in tmp_path.glob("model-*")) == files  # No partial shard left.
+  for file in files:  # Written as each filled: none over the size unless one tensor is.
+    tensors = load_file(tmp_path / file)
+    assert len(tensors) == 1 or sum(t.nbytes for t in tensors.values()) <= 40_000
   _, again = hf.load_checkpoint(str(tmp_path))
   for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(params)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
