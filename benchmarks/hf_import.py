@@ -100,11 +100,13 @@ def fine_tune(directory: str, config_path: str, overrides: list[str], export_dir
 
   import jaxoffload
   from jaxoffload import hf
-  from jaxoffload.train import load_config, resolve, Trainer, weights
+  from jaxoffload.memory import host_rss_bytes
+  from jaxoffload.train import host_memory, load_config, resolve, Trainer, weights
 
   config = load_config(config_path, [f"model.hf_checkpoint={directory}", *overrides])
   setup = resolve(config)
-  stage("resolved")
+  predicted_rss = host_rss_bytes() + host_memory.check(setup).total
+  stage(f"resolved; the guard predicts a peak of {predicted_rss / 2**30:.1f} GiB before export")
   start = time.perf_counter()
   params = jax.block_until_ready(weights.initial(setup))
   import_s, import_rss = time.perf_counter() - start, peak_rss()
@@ -121,13 +123,15 @@ def fine_tune(directory: str, config_path: str, overrides: list[str], export_dir
     losses.append(float(trainer.step(setup.global_batch(i))[0].addressable_data(0)))
     step_s.append(time.perf_counter() - start)
     stage(f"step {i + 1}: loss {losses[-1]:.4f} in {step_s[-1]:.2f} s")
+  trained_rss = peak_rss()
   start = time.perf_counter()
   hf.save_checkpoint(export_dir, setup.model, trainer.checkpoint()["params"])
   export_s = time.perf_counter() - start
   stage(f"exported in {export_s:.1f} s")
   return {"import_s": import_s, "peak_rss_after_import": import_rss, "compile_s": compile_s,
           "losses": losses, "step_s": step_s, "export_s": export_s,
-          "peak_rss": peak_rss(), "stages": STAGES, "offloaded_state_bytes": jaxoffload.bytes_by_memory_kind(
+          "peak_rss": peak_rss(), "predicted_peak_rss": predicted_rss,
+          "peak_rss_before_export": trained_rss, "stages": STAGES, "offloaded_state_bytes": jaxoffload.bytes_by_memory_kind(
               (trainer.params, trainer.opt_state)).get("pinned_host", 0)}
 
 
@@ -158,11 +162,12 @@ def main() -> None:
   table = "\n".join([
       f"# {args.shape} checkpoint through the trainer", "", f"Command: `{metadata(sys.argv)['command']}`",
       "", "| checkpoint (GiB) | import (s) | peak RSS after import (GiB) | pinned host state (GiB) "
-      "| compile (s) | median step (s) | export (s) | peak RSS (GiB) |",
-      "|---|---|---|---|---|---|---|---|",
+      "| compile (s) | median step (s) | peak RSS before export, predicted / measured (GiB) "
+      "| export (s) | peak RSS (GiB) |", "|---|---|---|---|---|---|---|---|---|",
       f"| {made['checkpoint_bytes'] / gib:.2f} | {tuned['import_s']:.1f} "
       f"| {tuned['peak_rss_after_import'] / gib:.2f} | {tuned['offloaded_state_bytes'] / gib:.2f} "
       f"| {tuned['compile_s']:.1f} | {sorted(tuned['step_s'])[len(tuned['step_s']) // 2]:.2f} "
+      f"| {tuned['predicted_peak_rss'] / gib:.1f} / {tuned['peak_rss_before_export'] / gib:.1f} "
       f"| {tuned['export_s']:.1f} | {tuned['peak_rss'] / gib:.2f} |", "",
       "Host memory by stage:", "", *(f"- {line}" for line in tuned["stages"]), ""])
   write_report(args.out, {**metadata(sys.argv), "shape": args.shape}, [result], table)

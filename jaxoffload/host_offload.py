@@ -36,7 +36,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -89,6 +89,27 @@ def _gather(shards: Sequence[np.ndarray], like: jax.Array) -> jax.Array:
       shard.device, memory_kind=like.sharding.memory_kind))
             for values, shard in zip(shards, _sorted_shards(like))]
   return jax.make_array_from_single_device_arrays(like.shape, like.sharding, placed)
+
+
+def host_bytes_per_element(device_dtype: Any = jnp.float32, *, delayed: bool = False,
+                           predict_weights: bool = False) -> tuple[int, int]:
+  """The host bytes ``HostAdamW`` holds per element of a leaf, before it allocates them.
+
+  Args:
+    device_dtype, delayed, predict_weights: as ``HostAdamW``'s, for the leaf.
+
+  Returns:
+    ``(pinned, unpinned)``: the float32 weights and the copies the device reads,
+    and the two float32 moments.
+
+  Example:
+    >>> pinned, unpinned = host_bytes_per_element(jnp.bfloat16)  # (6, 8)
+  """
+  device_dtype = jnp.dtype(device_dtype)
+  buffers = 2 if delayed else 1  # As _place keeps them.
+  if device_dtype == jnp.bfloat16 or predict_weights:
+    return 4 + buffers * device_dtype.itemsize, 8
+  return 4 * buffers, 8
 
 
 class HostAdamW:

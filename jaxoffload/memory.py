@@ -1,10 +1,12 @@
-"""Where the bytes of training state live, how many an activation offload moves, and device peaks."""
+"""Where the bytes of training state live, how many an activation offload moves, device peaks
+and host memory, and sizes written as ``"64GB"``."""
 
 from __future__ import annotations
 
 import collections
 import os
-from typing import Any, Sequence
+import re
+from typing import Any, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +14,28 @@ import jax.numpy as jnp
 from jaxoffload._compat import memory_kind
 from jaxoffload.model import LlamaConfig
 from jaxoffload.remat import LayerGroup
+
+SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: Union[int, str]) -> int:
+  """A size as bytes: an int, or a string such as ``"64GB"``, ``"1.5 TiB"`` or ``"8e9"``.
+
+  Raises:
+    ValueError: naming the value, when it is no size.
+
+  Example:
+    >>> parse_bytes("64GB"), parse_bytes("1GiB")
+    (64000000000, 1073741824)
+  """
+  if isinstance(value, int) and not isinstance(value, bool):
+    return value
+  match = re.fullmatch(r"\s*(\d+(?:\.\d*)?(?:[eE][+-]?\d+)?)\s*([A-Za-z]*)\s*", str(value))
+  if match and match.group(2).lower() in SIZE_UNITS:
+    return int(float(match.group(1)) * SIZE_UNITS[match.group(2).lower()])
+  raise ValueError(f"{value!r} is not a size: give bytes, or a number with one of "
+                   f"{', '.join(u.upper() for u in SIZE_UNITS if u)}")
 
 
 def bytes_by_memory_kind(tree: Any) -> dict[str, int]:

@@ -9,7 +9,7 @@ YAML and overrides into a ``Config``; ``jaxoffload.train.rules`` checks it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Union
 
 from jaxoffload import remat
 from jaxoffload.model import LlamaConfig
@@ -155,12 +155,16 @@ class TrainConfig:
     micro_batch_size: sequences per forward pass; gradients accumulate over
       global_batch_size / micro_batch_size of them.
     seed: of the parameters and the synthetic data.
+    host_memory_limit: the host memory this process may hold, in bytes or as a
+      size such as 64GB or 60GiB; null: what the machine (MemAvailable) and the
+      cgroup leave. A run that would need more is refused before it allocates.
   """
 
   train_iters: int = 100
   global_batch_size: int = 8
   micro_batch_size: int = 8
   seed: int = 0
+  host_memory_limit: Optional[Union[int, str]] = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,7 @@ import jax
 import jaxoffload
 from jaxoffload.memory import host_rss_bytes
 from jaxoffload.train import checkpoints as ckpt
-from jaxoffload.train import launch, metrics, rules, weights
+from jaxoffload.train import host_memory, launch, metrics, rules, weights
 from jaxoffload.train.config import Config
 from jaxoffload.train.resolve import Setup, resolve
 from jaxoffload.train.step import Trainer
@@ -76,6 +76,7 @@ def run(config: Config, *, log: Log = print, stop_after_step: Optional[int] = No
     log = lambda _: None
   setup = resolve(config)
   config = setup.config
+  host_memory.check(setup)  # Before anything is allocated.
   # Made first: a missing writer is found before anything compiles.
   tensorboard = (metrics.TensorBoard(config.logging.tensorboard_dir)
                  if config.logging.tensorboard_dir and reporting else None)

@@ -20,7 +20,7 @@ import optax
 from jax.experimental import multihost_utils
 
 from jaxoffload import autoplace, sharding
-from jaxoffload.model import Llama, LlamaConfig, group_name
+from jaxoffload.model import Llama, LlamaConfig, compute_dtypes, group_name
 from jaxoffload.params import abstract_params, logical_param_specs
 from jaxoffload.placement import OffloadPlan, leaf_path, plan_offload
 from jaxoffload.remat import LayerGroup
@@ -64,6 +64,15 @@ class Setup:
     """Whether the offloaded leaves update with the host kernel (``HostAdamW``)."""
     return (self.offload is not None
             and self.config.optimizer.optimizer_offload_update_on == "host_kernel")
+
+  @property
+  def transfer_dtypes(self) -> list[jnp.dtype]:
+    """Per host kernel leaf, the dtype its weights and gradients travel in: bfloat16 only for
+    leaves the model multiplies in bfloat16, with ``offload_transfer_dtype=bfloat16``."""
+    wire = jnp.dtype(self.config.optimizer.offload_transfer_dtype)
+    multiplied_in = jax.tree.leaves(compute_dtypes(self.param_shapes, self.model))
+    return [wire if d == jnp.bfloat16 else jnp.dtype(jnp.float32)
+            for d, host in zip(multiplied_in, self.offload.offloaded) if host]
 
   @property
   def micro_batches(self) -> int:

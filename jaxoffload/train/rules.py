@@ -12,6 +12,7 @@ from typing import Any, Sequence
 
 from jaxoffload import remat
 from jaxoffload.adam import UPDATE_PLACES
+from jaxoffload.memory import parse_bytes
 from jaxoffload.placement import check_fraction
 from jaxoffload.train.config import Config, ConfigError
 from jaxoffload.train.tokenizer import BYTE_VOCAB_SIZE
@@ -130,6 +131,12 @@ def _check_sizes(config: Config) -> None:
                      ("checkpoint.save_interval", c.save_interval), ("checkpoint.keep", c.keep)):
     _at_least(key, value, 1)
   _at_least("logging.log_interval", config.logging.log_interval, 0)
+  if t.host_memory_limit is not None:
+    try:
+      limit = parse_bytes(t.host_memory_limit)
+    except ValueError as error:
+      raise ConfigError(f"train.host_memory_limit: {error}") from None
+    _at_least("train.host_memory_limit", limit, 1)
   if t.global_batch_size % t.micro_batch_size:
     raise ConfigError(f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
                       f"train.micro_batch_size ({t.micro_batch_size})")

@@ -21,7 +21,7 @@ import jaxoffload
 from jaxoffload import remat
 from jaxoffload._compat import DEVICE_KIND, to_device, to_host
 from jaxoffload.host_offload import HostAdamW
-from jaxoffload.model import Llama, compute_dtypes, next_token_loss
+from jaxoffload.model import Llama, next_token_loss
 from jaxoffload.params import init_params
 from jaxoffload.train.resolve import Setup
 
@@ -49,16 +49,7 @@ def host_adamw(setup: Setup, weights: list[jax.Array]) -> HostAdamW:
                    eps=o.adam_eps, weight_decay=o.weight_decay, delayed=o.delayed_update,
                    delay_after=o.delayed_update_after,
                    predict_weights=o.delayed_update_predict_weights,
-                   device_dtypes=_transfer_dtypes(setup))
-
-
-def _transfer_dtypes(setup: Setup) -> list[jnp.dtype]:
-  """Per offloaded leaf, the dtype its weights and gradients travel in: bfloat16 only for
-  leaves the model multiplies in bfloat16, with ``offload_transfer_dtype=bfloat16``."""
-  wire = jnp.dtype(setup.config.optimizer.offload_transfer_dtype)
-  multiplied_in = jax.tree.leaves(compute_dtypes(setup.param_shapes, setup.model))
-  return [wire if d == jnp.bfloat16 else jnp.dtype(jnp.float32)
-          for d, host in zip(multiplied_in, setup.offload.offloaded) if host]
+                   device_dtypes=setup.transfer_dtypes)
 
 
 class Trainer:
@@ -173,7 +164,7 @@ class Trainer:
     host_grads, clip_factor = [], None
     if setup.host_kernel:
       raw = [g for g, h in zip(jax.tree.leaves(grads), self._is_host) if h]
-      host_grads = [to_host(g.astype(d)) for g, d in zip(raw, _transfer_dtypes(setup))]
+      host_grads = [to_host(g.astype(d)) for g, d in zip(raw, setup.transfer_dtypes)]
       # The norm in float32, as the host keeps these leaves.
       grads = jax.tree.map(lambda g, host: g.astype(jnp.float32) if host else g, grads,
                            setup.offload.mask)

@@ -8,6 +8,7 @@ their own grouping, regrouped there, and placed leaf by leaf.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 import jax
@@ -64,13 +65,33 @@ def run_params(path: str) -> tuple[Any, Any]:
   return config, ckpt.restore_params(checkpoints, step, targets(shapes, cpu))
 
 
+def staging_bytes(setup: Setup) -> int:
+  """Host bytes the first weights pass through on their way to their placement: the largest
+  leaf shard, and another run's whole parameter tree when it must be regrouped first."""
+  c = setup.config
+  if c.model.hf_checkpoint is None and c.checkpoint.init_from is None:
+    return 0  # Initialised on the devices.
+  shard = max(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
+              for x, s in zip(jax.tree.leaves(setup.param_shapes),
+                              jax.tree.leaves(setup.param_shardings)))
+  if c.model.hf_checkpoint is not None or _same_layout(setup, c.checkpoint.init_from):
+    return shard
+  return shard + 4 * sum(x.size for x in jax.tree.leaves(setup.param_shapes))  # float32 at most.
+
+
+def _same_layout(setup: Setup, path: str) -> bool:
+  """Whether the run checkpointed in ``path`` cut its layers and stored them as ``setup`` does."""
+  checkpoints, step = ckpt.locate(path)
+  theirs = config_from_dict(ckpt.read_meta(checkpoints, step)["config"])
+  return (rules.layer_groups(theirs) == setup.groups
+          and theirs.model.params_dtype == setup.model.params_dtype)
+
+
 def from_run(setup: Setup, path: str) -> Any:
   """The parameters of the run checkpointed in ``path``, in ``setup``'s grouping and placement
   (``load_config`` gave ``setup`` that run's model shape)."""
-  checkpoints, step = ckpt.locate(path)
-  theirs = config_from_dict(ckpt.read_meta(checkpoints, step)["config"])
-  if (rules.layer_groups(theirs) == setup.groups
-      and theirs.model.params_dtype == setup.model.params_dtype):
+  if _same_layout(setup, path):
+    checkpoints, step = ckpt.locate(path)
     return ckpt.restore_params(checkpoints, step,
                                targets(setup.param_shapes, setup.param_shardings))
   _, params = run_params(path)

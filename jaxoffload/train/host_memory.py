@@ -1,0 +1,177 @@
+"""The host memory a run will hold, what the machine can give it, and the guard between them.
+
+``check`` runs before anything is allocated: a setting that cannot fit ends
+with one line naming the bytes and the keys that lower them, never in the
+kernel's OOM killer. The arithmetic counts every buffer this process's
+devices keep in host memory, shard by shard (a leaf replicated over two
+devices is held twice), as the trainer will allocate them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+
+from jaxoffload.host_offload import host_bytes_per_element
+from jaxoffload.memory import host_rss_bytes, offloaded_activation_bytes, parse_bytes
+from jaxoffload.train import weights
+from jaxoffload.train.config import ConfigError
+from jaxoffload.train.resolve import Setup
+
+# XLA's pinned host allocator holds more than the arrays in it, and JAX's
+# runtime, the compiler and the data need some memory of their own
+# (docs/performance.md#host-memory).
+PINNED_POOL_SLACK = 1 / 8
+RUNTIME_BYTES = 2 * 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class HostBytes:
+  """The host memory a run will hold beyond what the process holds now.
+
+  Attributes:
+    held: what stays allocated while it trains, by what holds it.
+    transient: what one phase holds and then frees (loading the first weights,
+      one step's offloaded activations); only the largest counts.
+  """
+
+  held: dict[str, int]
+  transient: dict[str, int]
+
+  @property
+  def total(self) -> int:
+    return sum(self.held.values()) + max(self.transient.values(), default=0)
+
+  def __str__(self) -> str:
+    parts = {**self.held, **self.transient}
+    return ", ".join(f"{name} {size(n)}" for name, n in parts.items() if n)
+
+
+# What lowers each part, for the refusal's line.
+KEYS = {
+    "optimizer state": "optimizer.optimizer_offload_fraction",
+    "host kernel weights and copies": "optimizer.optimizer_offload_fraction, "
+                                      "optimizer.optimizer_offload_update_on=device",
+    "host kernel moments": "optimizer.optimizer_offload_fraction",
+    "offloaded weights": "model.cpu_offloading_num_layers, model.cpu_offloading_weights",
+    "offloaded activations": "model.cpu_offloading_num_layers, train.micro_batch_size",
+}
+
+
+def size(n: int) -> str:
+  """``n`` bytes for a person: ``"64.2 GB"``, ``"310 MB"``."""
+  return f"{n / 1e9:.1f} GB" if abs(n) >= 1e9 else f"{n / 1e6:.0f} MB"
+
+
+def local_elements(shape: Any, sharding: jax.sharding.Sharding) -> int:
+  """Elements of this process's shards of an array of ``shape`` placed by ``sharding``, each
+  device's counted (a replicated array is held once per device)."""
+  return math.prod(sharding.shard_shape(tuple(shape))) * len(sharding.addressable_devices)
+
+
+def needed(setup: Setup) -> HostBytes:
+  """The host memory ``setup``'s run will allocate, by what holds it."""
+  o = setup.config.optimizer
+  shapes, shardings = jax.tree.leaves(setup.param_shapes), jax.tree.leaves(setup.param_shardings)
+  offloaded = setup.offload.offloaded if setup.offload else (False,) * len(shapes)
+  fetched = jax.tree.leaves(setup.fetched_by_model)
+  held = dict.fromkeys(KEYS, 0)
+  transfer = iter(setup.transfer_dtypes if setup.host_kernel else ())
+  for shape, sharding, off, fetch in zip(shapes, shardings, offloaded, fetched):
+    elements = local_elements(shape.shape, sharding)
+    if off and setup.host_kernel:
+      wire = next(transfer)
+      pinned, unpinned = host_bytes_per_element(wire, delayed=o.delayed_update,
+                                                predict_weights=o.delayed_update_predict_weights)
+      # Each step's gradients arrive in pinned memory; a delayed update holds one more.
+      grads = (2 if o.delayed_update else 1) * wire.itemsize
+      held["host kernel weights and copies"] += elements * (pinned + grads)
+      held["host kernel moments"] += elements * unpinned
+      continue
+    if off:
+      held["optimizer state"] += 2 * elements * shape.dtype.itemsize
+    if fetch:  # And their gradients, which arrive in host memory.
+      held["offloaded weights"] += 2 * elements * shape.dtype.itemsize
+  pinned = sum(held.values()) - held["host kernel moments"]
+  held["pinned allocator overhead"] = int(PINNED_POOL_SLACK * pinned)
+  held["JAX runtime"] = RUNTIME_BYTES
+  share = jax.local_device_count() / jax.device_count()
+  m, t = setup.config.model, setup.config.train
+  activations = offloaded_activation_bytes(setup.model, setup.groups, t.micro_batch_size,
+                                           m.seq_length)
+  transient = {"loading the first weights": weights.staging_bytes(setup),
+               "offloaded activations": int(share * activations)}
+  return HostBytes(held, transient)
+
+
+def available(limit: Optional[int]) -> tuple[int, str]:
+  """The host bytes this process may still allocate, and where that figure comes from:
+  ``limit`` (``train.host_memory_limit``) less what the process holds, else the machine's
+  and the cgroup's."""
+  if limit is not None:
+    held = host_rss_bytes() or 0
+    return limit - held, (f"left under train.host_memory_limit={size(limit)} with the "
+                          f"{size(held)} this process holds")
+  figures = []
+  meminfo = _read_keyed("/proc/meminfo")
+  if "MemAvailable" in meminfo:
+    figures.append((meminfo["MemAvailable"] * 1024, "available (MemAvailable in /proc/meminfo)"))
+  cgroup = _cgroup_available()
+  if cgroup is not None:
+    figures.append((cgroup, "left under the cgroup's memory limit"))
+  return min(figures) if figures else (2**63, "no limit found")
+
+
+def check(setup: Setup) -> HostBytes:
+  """What ``needed`` says, once it is known to fit.
+
+  Raises:
+    ConfigError: one line with the bytes needed, the bytes available and the
+      keys that lower the largest parts.
+  """
+  need = needed(setup)
+  limit = setup.config.train.host_memory_limit
+  have, source = available(None if limit is None else parse_bytes(limit))
+  if need.total <= have:
+    return need
+  # The keys of the parts that matter, largest first.
+  parts = sorted(((n, name) for name, n in {**need.held, **need.transient}.items()
+                  if name in KEYS and n >= need.total / 10), reverse=True)
+  keys = "; ".join(dict.fromkeys(KEYS[name] for _, name in parts))
+  raise ConfigError(f"host memory: this run needs about {size(need.total)} more ({need}) but "
+                    f"{size(max(have, 0))} is {source}" + (f"; lower it with {keys}" if keys else "")
+                    + ", or set train.host_memory_limit where that figure is wrong")
+
+
+def _read_keyed(path: str) -> dict[str, int]:
+  """``key value`` or ``key: value kB`` lines as ints; empty if the file is unreadable."""
+  try:
+    with open(path) as f:
+      lines = [line.replace(":", " ").split() for line in f]
+  except OSError:
+    return {}
+  return {words[0]: int(words[1]) for words in lines if len(words) >= 2 and words[1].isdigit()}
+
+
+def _cgroup_available() -> Optional[int]:
+  """The cgroup's limit less what it uses, counting reclaimable page cache as free."""
+  for limit_file, usage_file, stat_file in (
+      ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current", "/sys/fs/cgroup/memory.stat"),
+      ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+       "/sys/fs/cgroup/memory/memory.stat")):
+    try:
+      with open(limit_file) as f:
+        limit = f.read().strip()
+      with open(usage_file) as f:
+        usage = int(f.read())
+    except (OSError, ValueError):
+      continue
+    if not limit.isdigit() or int(limit) >= 2**60:  # "max", or v1's "no limit".
+      return None
+    stat = _read_keyed(stat_file)
+    return int(limit) - usage + stat.get("inactive_file", stat.get("total_inactive_file", 0))
+  return None

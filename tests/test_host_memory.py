@@ -1,0 +1,80 @@
+"""The host-memory guard: its arithmetic against what the trainer allocates, and its refusal."""
+
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from jaxoffload.memory import parse_bytes
+from jaxoffload.train import Trainer, load_config, resolve
+from jaxoffload.train.config import ConfigError
+from jaxoffload.train.host_memory import needed
+
+OFFLOAD = ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=1.0"]
+MESH = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
+
+
+def test_sizes_read_as_bytes():
+  assert parse_bytes(123) == 123
+  assert parse_bytes("64GB") == 64 * 10**9
+  assert parse_bytes("1.5 GiB") == 3 * 2**29
+  assert parse_bytes("8e9") == 8 * 10**9
+  with pytest.raises(ValueError, match="'lots' is not a size"):
+    parse_bytes("lots")
+  with pytest.raises(ConfigError, match="^train.host_memory_limit: '64 parsecs' is not a size"):
+    load_config(None, ["train.host_memory_limit=64 parsecs"])
+  with pytest.raises(ConfigError, match="train.host_memory_limit must be at least 1, got 0"):
+    load_config(None, ["train.host_memory_limit=0"])
+
+
+def pinned_shard_bytes(tree):
+  """What the buffers in pinned_host memory really hold: every device's shard."""
+  return sum(shard.data.nbytes for leaf in jax.tree.leaves(tree)
+             if isinstance(leaf, jax.Array) and leaf.sharding.memory_kind == "pinned_host"
+             for shard in leaf.addressable_shards)
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (the CPU backend has them in CI)")
+@pytest.mark.parametrize("overrides", [
+    OFFLOAD + MESH,
+    OFFLOAD + MESH + ["model.cpu_offloading=True", "model.cpu_offloading_num_layers=1",
+                      "model.cpu_offloading_activations=False", "model.cpu_offloading_weights=True"],
+], ids=["moments", "moments_and_weights"])
+def test_the_arithmetic_counts_every_shard_the_trainer_places_in_host_memory(overrides):
+  setup = resolve(load_config(None, overrides))
+  trainer = Trainer(setup)
+  need = needed(setup)
+  assert need.held["optimizer state"] == pinned_shard_bytes(trainer.opt_state) > 0
+  # Offloaded weights, and their gradients as they arrive in host memory.
+  assert need.held["offloaded weights"] == 2 * pinned_shard_bytes(trainer.params)
+
+
+@pytest.mark.parametrize("wire", ["float32", "bfloat16"])
+def test_the_host_kernel_arithmetic_is_what_it_allocates(wire):
+  setup = resolve(load_config(None, [
+      "optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5",
+      "optimizer.optimizer_offload_update_on=host_kernel", "model.dtype=bfloat16",
+      f"optimizer.offload_transfer_dtype={wire}"]))
+  trainer = Trainer(setup)
+  _, _, _, _, host_grads, _ = trainer._step(trainer.params, trainer.host_params, trainer.opt_state,
+                                            setup.global_batch(0))
+  need = needed(setup)
+  assert need.held["host kernel moments"] == trainer.host.moment_bytes
+  assert need.held["host kernel weights and copies"] == (
+      trainer.host.pinned_bytes + sum(g.nbytes for g in host_grads))
+  assert need.held["optimizer state"] == 0
+
+
+def test_a_run_that_cannot_fit_is_refused_in_one_line_before_it_allocates():
+  result = subprocess.run(
+      [sys.executable, "-m", "jaxoffload.train", "--config", "configs/llama_8b_offload.yaml",
+       "optimizer.optimizer_offload_fraction=1.0", "train.host_memory_limit=16GB"],
+      capture_output=True, text=True, timeout=120, check=False)
+  assert result.returncode == 2, result.stderr
+  line, = [l for l in result.stderr.splitlines() if l.strip()]
+  # The 8B shape's float32 moments, whole: 2 x 8.03e9 x 4 bytes.
+  assert line.startswith("error: host memory: this run needs about ")
+  assert "optimizer state 64.2 GB" in line
+  assert "left under train.host_memory_limit=16.0 GB" in line
+  assert "lower it with optimizer.optimizer_offload_fraction" in line
