@@ -10,6 +10,7 @@ import pytest
 
 from jaxoffload.train import Trainer, load_config, resolve, train
 from jaxoffload.train import checkpoints as ckpt
+from jaxoffload.train.config import ConfigError
 
 QUIET = lambda _: None
 HOST_KERNEL = ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5",
@@ -111,3 +112,37 @@ def test_nan_stop_keeps_the_last_good_checkpoint(tmp_path):
   saved = sorted(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit())
   assert saved and max(saved) == step - 1
   assert f"the newest good checkpoint is step {step - 1}" in str(stop.value)
+
+
+def damage(step_dir):
+  (step_dir / "params" / "manifest.ocdbt").write_bytes(b"\x9c not a manifest " * 8)
+
+
+def test_a_damaged_newest_checkpoint_is_kept_aside_and_the_run_resumes_before_it(tmp_path):
+  overrides = ["train.train_iters=6", f"checkpoint.dir={tmp_path}", "checkpoint.save_interval=2"]
+  whole = train(load_config(None, overrides), log=QUIET)
+  damage(tmp_path / "6")
+  logged = []
+  resumed = train(load_config(None, overrides + ["checkpoint.resume=True"]), log=logged.append)
+  assert re.fullmatch(rf"warning: checkpoint step 6 cannot be read \(ValueError: .+\); kept as "
+                      rf"{re.escape(str(tmp_path / '6.unreadable'))}", logged[0])
+  assert logged[1] == f"resumed from step 4 in {tmp_path}"
+  np.testing.assert_array_equal(resumed, whole[4:])
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["2", "4", "6", "6.unreadable"]
+
+
+def test_when_no_checkpoint_can_be_read_the_run_refuses_and_renames_nothing(tmp_path):
+  overrides = ["train.train_iters=2", f"checkpoint.dir={tmp_path}", "checkpoint.save_interval=1"]
+  train(load_config(None, overrides), log=QUIET)
+  for step in ("1", "2"):
+    damage(tmp_path / step)
+  with pytest.raises(ConfigError, match=rf"^no checkpoint in {re.escape(str(tmp_path))} can be "
+                                        rf"read; the oldest, step 1: ValueError: "):
+    train(load_config(None, overrides + ["checkpoint.resume=True"]), log=QUIET)
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "2"]
+
+
+def test_a_checkpoint_dir_that_is_a_file_is_refused(tmp_path):
+  (tmp_path / "file").write_text("")
+  with pytest.raises(ConfigError, match=r"^checkpoint.dir '.+/file' is a file, not a directory$"):
+    train(load_config(None, [f"checkpoint.dir={tmp_path / 'file'}"]), log=QUIET)

@@ -22,12 +22,25 @@ from jaxoffload.train.step import Trainer
 
 
 def manager(config: Config) -> Optional[ocp.CheckpointManager]:
-  """Orbax's manager of ``checkpoint.dir`` (the newest ``keep`` kept); None without a dir."""
+  """Orbax's manager of ``checkpoint.dir`` (the newest ``keep`` kept); None without a dir.
+
+  Raises:
+    ConfigError: naming the directory, when it is a file or cannot be written.
+  """
   c = config.checkpoint
   if c.dir is None:
     return None
+  path = os.path.abspath(c.dir)
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise ConfigError(f"checkpoint.dir {path!r} is a file, not a directory")
+  try:
+    os.makedirs(path, exist_ok=True)
+  except OSError as error:
+    raise ConfigError(f"checkpoint.dir {path!r} cannot be created: {error.strerror}") from None
+  if not os.access(path, os.W_OK | os.X_OK):
+    raise ConfigError(f"checkpoint.dir {path!r} is not writable")
   options = ocp.CheckpointManagerOptions(max_to_keep=c.keep, enable_async_checkpointing=True)
-  return ocp.CheckpointManager(os.path.abspath(c.dir), options=options)
+  return ocp.CheckpointManager(path, options=options)
 
 
 def save(checkpoints: ocp.CheckpointManager, step: int, trainer: Trainer) -> None:
@@ -43,6 +56,39 @@ def restore(checkpoints: ocp.CheckpointManager, step: int, trainer: Trainer) -> 
            for name, target in trainer.checkpoint_target().items()}
   restored = checkpoints.restore(step, args=ocp.args.Composite(**items))
   trainer.load({name: restored[name] for name in items})
+
+
+def restore_newest(checkpoints: ocp.CheckpointManager, trainer: Trainer, log) -> Optional[int]:
+  """Loads the newest readable step into ``trainer``; returns it, or None when there is none.
+
+  Steps newer than it that cannot be read (a damaged file) are renamed
+  ``STEP.unreadable``, never deleted, each with a warning: the run continues
+  from the readable step and its own saves do not collide with them.
+
+  Raises:
+    ConfigError: when there are steps and none of them can be read (nothing is renamed).
+  """
+  directory = os.fspath(checkpoints.directory)
+  unreadable = []
+  for step in sorted(checkpoints.all_steps(), reverse=True):
+    try:
+      restore(checkpoints, step, trainer)
+    except Exception as error:  # Whatever orbax or tensorstore raise for a damaged step.
+      text = str(error).strip()
+      unreadable.append((step, type(error).__name__ + (f": {text.splitlines()[0][:200]}"
+                                                       if text else "")))
+      continue
+    for bad, reason in unreadable:
+      aside = os.path.join(directory, f"{bad}.unreadable")
+      os.rename(os.path.join(directory, str(bad)), aside)
+      log(f"warning: checkpoint step {bad} cannot be read ({reason}); kept as {aside}")
+    checkpoints.reload()
+    return step
+  if unreadable:
+    step, reason = unreadable[-1]
+    raise ConfigError(f"no checkpoint in {directory} can be read; the oldest, step {step}: "
+                      f"{reason}")
+  return None
 
 
 def locate(path: str) -> tuple[ocp.CheckpointManager, int]:

@@ -81,13 +81,23 @@ def run(config: Config, *, log: Log = print, stop_after_step: Optional[int] = No
   tensorboard = (metrics.TensorBoard(config.logging.tensorboard_dir)
                  if config.logging.tensorboard_dir and reporting else None)
   checkpoints = ckpt.manager(config)
-  first = 0
-  if checkpoints is not None and config.checkpoint.resume and checkpoints.latest_step() is not None:
-    first = checkpoints.latest_step()
+  try:
+    return _run(setup, checkpoints, tensorboard, log, reporting, stop_after_step)
+  finally:
+    if checkpoints is not None:
+      checkpoints.close()  # Waits for a save in flight, and stops orbax's threads.
+
+
+def _run(setup: Setup, checkpoints, tensorboard: Optional[metrics.TensorBoard], log: Log,
+         reporting: bool, stop_after_step: Optional[int]) -> Run:
+  """``run`` once the setup is resolved and the checkpoint directory open."""
+  config = setup.config
+  resuming = (checkpoints is not None and config.checkpoint.resume
+              and checkpoints.latest_step() is not None)
   # A resumed run's weights come from its checkpoint, not from where it started.
-  trainer = Trainer(setup, None if first else weights.initial(setup))
+  trainer = Trainer(setup, None if resuming else weights.initial(setup))
+  first = ckpt.restore_newest(checkpoints, trainer, log) if resuming else 0
   if first:
-    ckpt.restore(checkpoints, first, trainer)
     log(f"resumed from step {first} in {config.checkpoint.dir}")
   _announce(setup, trainer, log)
   compile_start = time.perf_counter()
@@ -105,8 +115,6 @@ def run(config: Config, *, log: Log = print, stop_after_step: Optional[int] = No
     meter.close()
   if trainer.host is not None:
     trainer.host.finish()
-  if checkpoints is not None:
-    checkpoints.wait_until_finished()
   log(meter.summary())
   device_bytes = (analysis.argument_size_in_bytes + analysis.output_size_in_bytes
                   - analysis.alias_size_in_bytes + analysis.temp_size_in_bytes)
