@@ -131,7 +131,8 @@ def fine_tune(directory: str, config_path: str, overrides: list[str], export_dir
   return {"import_s": import_s, "peak_rss_after_import": import_rss, "compile_s": compile_s,
           "losses": losses, "step_s": step_s, "export_s": export_s,
           "peak_rss": peak_rss(), "predicted_peak_rss": predicted_rss,
-          "peak_rss_before_export": trained_rss, "stages": STAGES, "offloaded_state_bytes": jaxoffload.bytes_by_memory_kind(
+          "peak_rss_before_export": trained_rss, "stages": STAGES,
+          "offloaded_state_bytes": jaxoffload.bytes_by_memory_kind(
               (trainer.params, trainer.opt_state)).get("pinned_host", 0)}
 
 

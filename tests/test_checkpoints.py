@@ -131,6 +131,7 @@ def test_a_damaged_newest_checkpoint_is_kept_aside_and_the_run_resumes_before_it
   assert sorted(p.name for p in tmp_path.iterdir()) == ["2", "4", "6", "6.unreadable"]
 
 
+@pytest.mark.slow
 def test_when_no_checkpoint_can_be_read_the_run_refuses_and_renames_nothing(tmp_path):
   overrides = ["train.train_iters=2", f"checkpoint.dir={tmp_path}", "checkpoint.save_interval=1"]
   train(load_config(None, overrides), log=QUIET)
@@ -146,3 +147,35 @@ def test_a_checkpoint_dir_that_is_a_file_is_refused(tmp_path):
   (tmp_path / "file").write_text("")
   with pytest.raises(ConfigError, match=r"^checkpoint.dir '.+/file' is a file, not a directory$"):
     train(load_config(None, [f"checkpoint.dir={tmp_path / 'file'}"]), log=QUIET)
+
+
+@pytest.mark.slow
+def test_a_run_resumes_across_offload_fractions_and_update_placements_exactly(tmp_path):
+  base = ["train.train_iters=6", f"checkpoint.dir={tmp_path}", "checkpoint.save_interval=2",
+          "checkpoint.resume=True", "optimizer.optimizer_cpu_offload=True"]
+  segments = [["optimizer.optimizer_offload_fraction=0.5"],
+              ["optimizer.optimizer_offload_fraction=1.0",
+               "optimizer.optimizer_offload_update_on=host"],
+              ["optimizer.optimizer_offload_fraction=0.0"]]
+  losses = []
+  for stop, segment in zip((2, 4, 6), segments):
+    losses += train(load_config(None, base + segment), log=QUIET, stop_after_step=stop)
+  whole = train(load_config(None, base[:1] + base[4:] + segments[0]), log=QUIET)
+  np.testing.assert_array_equal(losses, whole)
+
+
+@pytest.mark.parametrize("change, message", [
+    ("optimizer.optimizer_offload_update_on=host_kernel",
+     r"cannot be resumed under this run's settings \(optimizer.optimizer_offload_update_on: "
+     r"'device' -> 'host_kernel'\): .+ checkpoint.init_from="),
+    pytest.param("model.hidden_size=128", r"holds another model \(model.hidden_size: 64 -> 128\): give this "
+                              r"run a new checkpoint.dir$", marks=pytest.mark.slow),
+])
+def test_what_cannot_resume_is_named_and_nothing_is_renamed(tmp_path, change, message):
+  base = ["train.train_iters=2", f"checkpoint.dir={tmp_path}", "checkpoint.resume=True",
+          "optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5"]
+  train(load_config(None, base), log=QUIET, stop_after_step=1)
+  with pytest.raises(ConfigError, match=rf"^checkpoint step 1 in {re.escape(str(tmp_path))} "
+                                        rf"{message}"):
+    train(load_config(None, base + [change]), log=QUIET)
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["1"]

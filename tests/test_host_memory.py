@@ -37,9 +37,10 @@ def pinned_shard_bytes(tree):
 
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (the CPU backend has them in CI)")
 @pytest.mark.parametrize("overrides", [
-    OFFLOAD + MESH,
+    pytest.param(OFFLOAD + MESH, marks=pytest.mark.slow),
     OFFLOAD + MESH + ["model.cpu_offloading=True", "model.cpu_offloading_num_layers=1",
-                      "model.cpu_offloading_activations=False", "model.cpu_offloading_weights=True"],
+                      "model.cpu_offloading_activations=False",
+                      "model.cpu_offloading_weights=True"],
 ], ids=["moments", "moments_and_weights"])
 def test_the_arithmetic_counts_every_shard_the_trainer_places_in_host_memory(overrides):
   setup = resolve(load_config(None, overrides))
@@ -50,7 +51,8 @@ def test_the_arithmetic_counts_every_shard_the_trainer_places_in_host_memory(ove
   assert need.held["offloaded weights"] == 2 * pinned_shard_bytes(trainer.params)
 
 
-@pytest.mark.parametrize("wire", ["float32", "bfloat16"])
+@pytest.mark.parametrize("wire", [pytest.param("float32", marks=pytest.mark.slow),
+                                  "bfloat16"])
 def test_the_host_kernel_arithmetic_is_what_it_allocates(wire):
   setup = resolve(load_config(None, [
       "optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5",

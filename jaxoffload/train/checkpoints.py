@@ -17,7 +17,10 @@ from typing import Any, Optional
 
 import orbax.checkpoint as ocp
 
-from jaxoffload.train.config import Config, ConfigError
+from jaxoffload.model import LlamaConfig
+from jaxoffload.train import rules
+from jaxoffload.train.config import Config, ConfigError, ModelConfig
+from jaxoffload.train.loading import config_from_dict
 from jaxoffload.train.step import Trainer
 
 
@@ -72,11 +75,24 @@ def restore_newest(checkpoints: ocp.CheckpointManager, trainer: Trainer, log) ->
   unreadable = []
   for step in sorted(checkpoints.all_steps(), reverse=True):
     try:
+      theirs = config_from_dict(read_meta(checkpoints, step)["config"])
+    except Exception as error:  # A damaged step: orbax's JSON, or a config no longer valid.
+      unreadable.append((step, _reason(error)))
+      continue
+    model, settings = resume_differences(theirs, trainer.setup.config)
+    if model:
+      raise ConfigError(f"checkpoint step {step} in {directory} holds another model "
+                        f"({'; '.join(model)}): give this run a new checkpoint.dir")
+    if settings:
+      raise ConfigError(
+          f"checkpoint step {step} in {directory} cannot be resumed under this run's settings "
+          f"({'; '.join(settings)}): the offload fraction and the device or host update may "
+          f"change between runs, these may not; set them as the checkpoint has, or take its "
+          f"weights alone with checkpoint.init_from={directory}")
+    try:
       restore(checkpoints, step, trainer)
     except Exception as error:  # Whatever orbax or tensorstore raise for a damaged step.
-      text = str(error).strip()
-      unreadable.append((step, type(error).__name__ + (f": {text.splitlines()[0][:200]}"
-                                                       if text else "")))
+      unreadable.append((step, _reason(error)))
       continue
     for bad, reason in unreadable:
       aside = os.path.join(directory, f"{bad}.unreadable")
@@ -89,6 +105,43 @@ def restore_newest(checkpoints: ocp.CheckpointManager, trainer: Trainer, log) ->
     raise ConfigError(f"no checkpoint in {directory} can be read; the oldest, step {step}: "
                       f"{reason}")
   return None
+
+
+def resume_differences(theirs: Config, ours: Config) -> tuple[list[str], list[str]]:
+  """What keeps a checkpoint written under ``theirs`` from resuming under ``ours``, each as
+  ``"key: theirs -> ours"``: the model's differences, then the settings' (its layer groups,
+  which optimizer holds the state)."""
+  changed = lambda section, keys: [
+      f"{section}.{key}: {getattr(getattr(theirs, section), key)!r} -> "
+      f"{getattr(getattr(ours, section), key)!r}" for key in keys
+      if getattr(getattr(theirs, section), key) != getattr(getattr(ours, section), key)]
+  model = changed("model", [f.name for f in dataclasses.fields(LlamaConfig)
+                            if f.name not in ("dtype", "seq_length", "attention_implementation")])
+  settings = []
+  if rules.layer_groups(theirs) != rules.layer_groups(ours):
+    settings += changed("model", [f.name for f in dataclasses.fields(ModelConfig)
+                                  if f.name.startswith(("cpu_offloading", "recompute",
+                                                        "fine_grained"))])
+  if _optimizer_kind(theirs) != _optimizer_kind(ours):
+    settings += changed("optimizer", ("optimizer_cpu_offload", "optimizer_offload_update_on",
+                                      "delayed_update"))
+  return model, settings
+
+
+def _optimizer_kind(config: Config) -> tuple:
+  """Which optimizer's state a run checkpoints: optax's AdamW, the offloaded one, or the host
+  kernel's (with a held gradient when delayed)."""
+  o = config.optimizer
+  if not o.optimizer_cpu_offload:
+    return ("adamw",)
+  if o.optimizer_offload_update_on == "host_kernel":
+    return ("host_kernel", o.delayed_update)
+  return ("offload_adamw",)
+
+
+def _reason(error: Exception) -> str:
+  text = str(error).strip()
+  return type(error).__name__ + (f": {text.splitlines()[0][:200]}" if text else "")
 
 
 def locate(path: str) -> tuple[ocp.CheckpointManager, int]:

@@ -142,9 +142,10 @@ def check(setup: Setup) -> HostBytes:
   parts = sorted(((n, name) for name, n in {**need.held, **need.transient}.items()
                   if name in KEYS and n >= need.total / 10), reverse=True)
   keys = "; ".join(dict.fromkeys(KEYS[name] for _, name in parts))
+  lower = f"; lower it with {keys}" if keys else ""
   raise ConfigError(f"host memory: this run needs about {size(need.total)} more ({need}) but "
-                    f"{size(max(have, 0))} is {source}" + (f"; lower it with {keys}" if keys else "")
-                    + ", or set train.host_memory_limit where that figure is wrong")
+                    f"{size(max(have, 0))} is {source}{lower}, or set train.host_memory_limit "
+                    f"where that figure is wrong")
 
 
 def _read_keyed(path: str) -> dict[str, int]:
