@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import orbax.checkpoint as ocp
 
@@ -61,7 +61,8 @@ def restore(checkpoints: ocp.CheckpointManager, step: int, trainer: Trainer) -> 
   trainer.load({name: restored[name] for name in items})
 
 
-def restore_newest(checkpoints: ocp.CheckpointManager, trainer: Trainer, log) -> Optional[int]:
+def restore_newest(checkpoints: ocp.CheckpointManager, trainer: Trainer,
+                   log: Callable[[str], None]) -> Optional[int]:
   """Loads the newest readable step into ``trainer``; returns it, or None when there is none.
 
   Steps newer than it that cannot be read (a damaged file) are renamed

@@ -132,6 +132,11 @@ def check(setup: Setup) -> HostBytes:
   Raises:
     ConfigError: one line with the bytes needed, the bytes available and the
       keys that lower the largest parts.
+
+  Example:
+    >>> setup = resolve(load_config("configs/llama_8b_offload.yaml"))
+    >>> print(check(setup))  # Or the refusal's line.
+    optimizer state 48.2 GB, offloaded activations 3.1 GB, pinned allocator overhead 6.0 GB, ...
   """
   need = needed(setup)
   limit = setup.config.train.host_memory_limit

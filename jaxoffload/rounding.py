@@ -1,0 +1,59 @@
+"""Stochastic rounding of float32 to bfloat16, for optimizer state kept in bfloat16.
+
+Adam's second moment decays by ``b2`` (0.999) each step: a relative change of
+0.1%, below bfloat16's half step (0.4%), so rounding to nearest leaves it where
+it was and it never decays. Rounding up with probability equal to the
+fraction cut off keeps every update in expectation.
+
+The random bits are a hash of the value's own bits and a salt (the step),
+not a random key: the same function runs on the device, in host computation
+and in every streamed piece of a leaf without knowing where in the leaf it is,
+and a run is reproducible.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+# Multipliers of the "lowbias32" integer hash.
+_HASH_1, _HASH_2 = 0x7FEB352D, 0x846CA68B
+# Spreads consecutive salts (steps) over the hash's input.
+_GOLDEN = 0x9E3779B9
+
+
+def _hash(bits: jax.Array) -> jax.Array:
+  bits = bits ^ (bits >> 16)
+  bits = bits * jnp.uint32(_HASH_1)
+  bits = bits ^ (bits >> 15)
+  bits = bits * jnp.uint32(_HASH_2)
+  return bits ^ (bits >> 16)
+
+
+def stochastic_round(x: jax.Array, salt: Any, dtype: Any = jnp.bfloat16) -> jax.Array:
+  """``x`` rounded to ``dtype``, up or down at random in proportion to the distance.
+
+  Args:
+    x: the values; computed in float32.
+    salt: an integer (a step count, a moment's index) mixed into the random
+      bits, so that the same value rounds differently at different steps.
+    dtype: bfloat16 (stochastic); any other dtype is a plain cast.
+
+  Returns:
+    An array of ``dtype``: each element one of the two ``dtype`` values around
+    its ``x``, the nearer one more often, equal to ``x`` on average.
+
+  Example:
+    >>> nu = stochastic_round(b2 * nu + (1 - b2) * g**2, salt=count)
+  """
+  if jnp.dtype(dtype) != jnp.bfloat16:
+    return x.astype(dtype)
+  bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+  salt = jnp.asarray(salt).astype(jnp.uint32) * jnp.uint32(_GOLDEN)
+  noise = _hash(bits ^ salt) & jnp.uint32(0xFFFF)
+  # bfloat16 keeps float32's upper 16 bits: adding noise below them carries into
+  # them with probability (the cut-off bits) / 2**16, then the cut is exact.
+  rounded = (bits + noise) & jnp.uint32(0xFFFF0000)
+  return jax.lax.bitcast_convert_type(rounded, jnp.float32).astype(jnp.bfloat16)

@@ -1,0 +1,41 @@
+"""Stochastic rounding to bfloat16: between neighbours, unbiased, and what keeps Adam's nu moving."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxoffload.rounding import stochastic_round
+
+
+def test_each_value_lands_within_one_bfloat16_step():
+  x = np.random.default_rng(0).standard_normal(100_000).astype(np.float32)
+  rounded = stochastic_round(jnp.asarray(x), 3)
+  assert rounded.dtype == jnp.bfloat16
+  step = np.spacing(np.abs(x)).astype(np.float64) * 2**16  # bfloat16 keeps 16 fewer bits.
+  assert np.all(np.abs(np.asarray(rounded, np.float64) - x) < step)
+
+
+def test_on_average_a_value_rounds_to_itself_where_nearest_rounding_is_biased():
+  x = jnp.float32(1 + 2**-9)  # A quarter of the way from 1 to the next bfloat16, 1 + 2**-7.
+  salts = jnp.arange(4096)
+  rounded = np.asarray(jax.vmap(lambda s: stochastic_round(x, s))(salts), np.float64)
+  assert set(np.unique(rounded)) == {1.0, 1 + 2**-7}
+  assert abs(rounded.mean() - (1 + 2**-9)) < 2.5e-4  # Nearest rounding is off by 2**-9.
+  assert float(x.astype(jnp.bfloat16)) == 1.0
+
+
+def test_a_bfloat16_second_moment_decays_with_stochastic_rounding_and_sticks_without():
+  b2, rng = 0.999, np.random.default_rng(1)
+  exact = np.zeros(1000)
+  stochastic = nearest = jnp.zeros(1000, jnp.bfloat16)
+  update = lambda nu, g: b2 * nu.astype(jnp.float32) + (1 - b2) * g**2
+  step_sr = jax.jit(lambda nu, g, t: stochastic_round(update(nu, g), t))
+  step_rn = jax.jit(lambda nu, g: update(nu, g).astype(jnp.bfloat16))
+  for t in range(1500):  # Large gradients, then small ones: nu must decay by b2**1300.
+    g = (rng.standard_normal(1000) * (1.0 if t < 200 else 0.1)).astype(np.float32)
+    exact = b2 * exact + (1 - b2) * g.astype(np.float64)**2
+    stochastic, nearest = step_sr(stochastic, g, t), step_rn(nearest, g)
+  error = lambda nu: np.abs(np.asarray(nu, np.float64) - exact) / exact
+  assert np.mean(error(stochastic)) < 0.1
+  assert abs(np.mean(np.asarray(stochastic, np.float64)) / np.mean(exact) - 1) < 0.02
+  assert np.mean(error(nearest)) > 1.0  # Stuck near where the large gradients left it.
