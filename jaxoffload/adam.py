@@ -13,6 +13,7 @@ from optax import tree_utils as otu
 from jaxoffload._compat import DEVICE_KIND, PINNED_HOST, to_host
 from jaxoffload.placement import (OffloadMask, OffloadPlan, check_fraction, plan_offload,
                                   replicated_like)
+from jaxoffload.rounding import stochastic_round
 from jaxoffload.streaming import run_on_host, run_streamed
 
 UPDATE_PLACES = ("host", "device")
@@ -61,11 +62,12 @@ def _zeros(leaf: Any, offloaded: bool, dtype: Optional[Any] = None) -> jax.Array
   return jnp.zeros(leaf.shape, dtype, device=sharding.with_memory_kind(DEVICE_KIND))
 
 
-def _elementwise_adam(hyper: dict, dynamic: tuple[str, ...], mu_dtype: Optional[Any]):
+def _elementwise_adam(hyper: dict, dynamic: tuple[str, ...], stochastic_rounding: bool):
   """Adam's moment update and direction as ``streaming``'s elementwise function.
 
   Its scalars are the step count and the ``dynamic`` hyperparameters' values;
-  the others are the numbers in ``hyper``.
+  the others are the numbers in ``hyper``. The new moments keep their inputs'
+  dtypes, rounded stochastically into bfloat16 with ``stochastic_rounding``.
   """
 
   def adam(scalars, device_in, host_in):
@@ -78,7 +80,10 @@ def _elementwise_adam(hyper: dict, dynamic: tuple[str, ...], mu_dtype: Optional[
     nu_hat = otu.tree_bias_correction(new_nu, h["b2"], count)
     # optax adds eps_root (0.0 in optax.adamw) inside the root; keep its ops.
     direction = mu_hat / (jnp.sqrt(nu_hat + 0.0) + h["eps"])
-    return (direction,), (otu.tree_cast(new_mu, mu_dtype), new_nu.astype(nu.dtype))
+    if stochastic_rounding:  # Salted by the step, and differently for the two moments.
+      return (direction,), (stochastic_round(new_mu, 2 * count, mu.dtype),
+                            stochastic_round(new_nu, 2 * count + 1, nu.dtype))
+    return (direction,), (new_mu.astype(mu.dtype), new_nu.astype(nu.dtype))
 
   return adam
 
@@ -89,6 +94,8 @@ def scale_by_offloaded_adam(
     eps: float = 1e-8,
     *,
     mu_dtype: Optional[Any] = None,
+    nu_dtype: Optional[Any] = None,
+    stochastic_rounding: bool = False,
     offload_fraction: float = 1.0,
     offload_mask: OffloadMask | None = None,
     update_on: str = "host",
@@ -106,6 +113,10 @@ def scale_by_offloaded_adam(
     b2: decay rate of the second moment.
     eps: added to the denominator's square root.
     mu_dtype: dtype of the first moment; None keeps the parameters' dtype.
+    nu_dtype: dtype of the second moment; None keeps the parameters' dtype.
+    stochastic_rounding: round the moments into bfloat16 up or down at random
+      (``jaxoffload.rounding``) rather than to nearest, which leaves a bfloat16
+      ``nu`` stuck: its per-step decay is below half a bfloat16 step.
     offload_fraction: share of parameter elements whose moments go to host
       memory, in [0.0, 1.0]; whole leaves are chosen, those whose share lies
       nearest (see ``plan_offload``).
@@ -148,6 +159,7 @@ def scale_by_offloaded_adam(
     raise ValueError(f"overlap_transfers=True streams through the device: it needs "
                      f"update_on='device', got {update_on!r}")
   mu_dtype = None if mu_dtype is None else jax.dtypes.canonicalize_dtype(mu_dtype)
+  nu_dtype = None if nu_dtype is None else jax.dtypes.canonicalize_dtype(nu_dtype)
 
   def init_fn(params):
     _check_float_leaves(params)
@@ -159,7 +171,7 @@ def scale_by_offloaded_adam(
       count = jax.device_put(count, count_sharding)
     return ScaleByOffloadedAdamState(
         count=count, mu=jax.tree.map(lambda p, o: _zeros(p, o, mu_dtype), params, plan.mask),
-        nu=jax.tree.map(_zeros, params, plan.mask), plan=plan)
+        nu=jax.tree.map(lambda p, o: _zeros(p, o, nu_dtype), params, plan.mask), plan=plan)
 
   def update_fn(updates, state, params=None):
     del params
@@ -176,7 +188,7 @@ def scale_by_offloaded_adam(
     hyper = {"b1": b1, "b2": b2, "eps": eps}
     dynamic = tuple(k for k, v in hyper.items() if not _is_static_number(v))
     scalars = (count_inc, *(jnp.asarray(hyper[k]) for k in dynamic))
-    adam = _elementwise_adam(hyper, dynamic, mu_dtype)
+    adam = _elementwise_adam(hyper, dynamic, stochastic_rounding)
     directions, new_mu, new_nu = [], [], []
     for g, mu, nu, offloaded in zip(grads, treedef.flatten_up_to(state.mu),
                                     treedef.flatten_up_to(state.nu), plan.offloaded):
@@ -206,6 +218,8 @@ def offload_adamw(
     mask: Optional[Any] = None,
     *,
     mu_dtype: Optional[Any] = None,
+    nu_dtype: Optional[Any] = None,
+    stochastic_rounding: bool = False,
     offload_fraction: float = 1.0,
     offload_mask: OffloadMask | None = None,
     update_on: str = "host",
@@ -216,8 +230,8 @@ def offload_adamw(
   Args:
     learning_rate: a number or an optax schedule.
     b1, b2, eps, weight_decay, mask: as in ``optax.adamw``.
-    mu_dtype, offload_fraction, offload_mask, update_on, overlap_transfers: as in
-      ``scale_by_offloaded_adam``. Under ``optax.inject_hyperparams`` with a
+    mu_dtype, nu_dtype, stochastic_rounding, offload_fraction, offload_mask, update_on,
+      overlap_transfers: as in ``scale_by_offloaded_adam``. Under ``optax.inject_hyperparams`` with a
       jitted ``init``, name ``offload_fraction`` in ``static_args``.
 
   Returns:
@@ -229,9 +243,10 @@ def offload_adamw(
     >>> opt_state = opt.init(params)
   """
   return optax.chain(
-      scale_by_offloaded_adam(b1, b2, eps, mu_dtype=mu_dtype, offload_fraction=offload_fraction,
-                              offload_mask=offload_mask, update_on=update_on,
-                              overlap_transfers=overlap_transfers),
+      scale_by_offloaded_adam(b1, b2, eps, mu_dtype=mu_dtype, nu_dtype=nu_dtype,
+                              stochastic_rounding=stochastic_rounding,
+                              offload_fraction=offload_fraction, offload_mask=offload_mask,
+                              update_on=update_on, overlap_transfers=overlap_transfers),
       optax.add_decayed_weights(weight_decay, mask),
       optax.scale_by_learning_rate(learning_rate),
   )

@@ -6,7 +6,7 @@ import optax
 import pytest
 
 import jaxoffload
-from tests.helpers import max_rel_diff, mixed_params, train
+from tests.helpers import max_rel_diff, mixed_params, moment_kinds, train
 
 FRACTIONS = [0.0, 0.25, 0.5, 1.0]
 MODES = ["host", "device"]
@@ -111,3 +111,19 @@ def test_overlap_needs_device_streaming():
   with pytest.raises(ValueError, match="overlap_transfers=True streams through the device: it "
                                        "needs update_on='device', got 'host'"):
     jaxoffload.scale_by_offloaded_adam(update_on="host", overlap_transfers=True)
+
+
+@pytest.mark.parametrize("update_on", MODES)
+def test_bfloat16_moments_rounded_stochastically_track_float32(update_on):
+  ours = optax.chain(
+      jaxoffload.scale_by_offloaded_adam(offload_fraction=0.5, update_on=update_on,
+                                         chunk_bytes=1024, mu_dtype=jnp.bfloat16,
+                                         nu_dtype=jnp.bfloat16, stochastic_rounding=True),
+      optax.add_decayed_weights(1e-2), optax.scale_by_learning_rate(SCHEDULE))
+  params = mixed_params()
+  got, got_state, _ = train(ours, params, STEPS)
+  want, _, _ = train(optax.adamw(SCHEDULE, weight_decay=1e-2), params, STEPS)
+  adam = got_state[0]
+  assert {x.dtype for x in jax.tree.leaves((adam.mu, adam.nu))} == {jnp.dtype(jnp.bfloat16)}
+  assert moment_kinds(adam) == moment_kinds(train(adamw_pair(0.5, update_on)[0], params, 1)[1][0])
+  assert 0 < max_rel_diff(got, want) <= 2e-3

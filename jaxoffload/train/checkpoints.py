@@ -125,19 +125,19 @@ def resume_differences(theirs: Config, ours: Config) -> tuple[list[str], list[st
                                                         "fine_grained"))])
   if _optimizer_kind(theirs) != _optimizer_kind(ours):
     settings += changed("optimizer", ("optimizer_cpu_offload", "optimizer_offload_update_on",
-                                      "delayed_update"))
+                                      "delayed_update", "exp_avg_dtype", "exp_avg_sq_dtype"))
   return model, settings
 
 
 def _optimizer_kind(config: Config) -> tuple:
-  """Which optimizer's state a run checkpoints: optax's AdamW, the offloaded one, or the host
-  kernel's (with a held gradient when delayed)."""
-  o = config.optimizer
+  """Which optimizer's state a run checkpoints, in which dtypes: optax's AdamW, the offloaded
+  one, or the host kernel's (with a held gradient when delayed)."""
+  o, dtypes = config.optimizer, rules.moment_dtypes(config)
   if not o.optimizer_cpu_offload:
-    return ("adamw",)
+    return ("offload_adamw", dtypes) if rules.compact_moments(config) else ("adamw",)
   if o.optimizer_offload_update_on == "host_kernel":
     return ("host_kernel", o.delayed_update)
-  return ("offload_adamw",)
+  return ("offload_adamw", dtypes)
 
 
 def _reason(error: Exception) -> str:

@@ -117,6 +117,12 @@ class OptimizerConfig:
       offloaded weights and sends their clipped gradients: bfloat16 halves both copies
       for the leaves the model multiplies in bfloat16 (norm scales stay float32);
       needs model.dtype=bfloat16.
+    exp_avg_dtype: dtype of Adam's first moment, float32 or bfloat16 (Megatron-Core's
+      precision-aware optimizer); null: model.params_dtype. A bfloat16 moment of
+      float32 parameters halves its memory, device or host, and is rounded
+      stochastically (``jaxoffload.rounding``) so that training tracks float32
+      ([performance](performance.md#compact-optimizer-state)); not with host_kernel.
+    exp_avg_sq_dtype: the same for the second moment.
     use_torch_optimizer_for_cpu_offload: there is no torch here: True is refused,
       naming optimizer_offload_update_on.
     use_distributed_optimizer: optimizer state sharded over the devices, which in
@@ -141,6 +147,8 @@ class OptimizerConfig:
   delayed_update_predict_weights: bool = False
   overlap_cpu_optimizer_d2h_h2d: bool = False
   offload_transfer_dtype: str = "float32"
+  exp_avg_dtype: Optional[str] = None
+  exp_avg_sq_dtype: Optional[str] = None
   use_torch_optimizer_for_cpu_offload: bool = False
   use_distributed_optimizer: bool = False
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from jaxoffload.host_offload import host_bytes_per_element
 from jaxoffload.memory import host_rss_bytes, offloaded_activation_bytes, parse_bytes
-from jaxoffload.train import weights
+from jaxoffload.train import rules, weights
 from jaxoffload.train.config import ConfigError
 from jaxoffload.train.resolve import Setup
 
@@ -53,7 +53,8 @@ class HostBytes:
 
 # What lowers each part, for the refusal's line.
 KEYS = {
-    "optimizer state": "optimizer.optimizer_offload_fraction",
+    "optimizer state": "optimizer.optimizer_offload_fraction, optimizer.exp_avg_dtype=bfloat16, "
+                       "optimizer.exp_avg_sq_dtype=bfloat16",
     "host kernel weights and copies": "optimizer.optimizer_offload_fraction, "
                                       "optimizer.optimizer_offload_update_on=device",
     "host kernel moments": "optimizer.optimizer_offload_fraction",
@@ -81,6 +82,7 @@ def needed(setup: Setup) -> HostBytes:
   fetched = jax.tree.leaves(setup.fetched_by_model)
   held = dict.fromkeys(KEYS, 0)
   transfer = iter(setup.transfer_dtypes if setup.host_kernel else ())
+  moment_bytes = sum(jnp.dtype(d).itemsize for d in rules.moment_dtypes(setup.config))
   for shape, sharding, off, fetch in zip(shapes, shardings, offloaded, fetched):
     elements = local_elements(shape.shape, sharding)
     if off and setup.host_kernel:
@@ -93,7 +95,7 @@ def needed(setup: Setup) -> HostBytes:
       held["host kernel moments"] += elements * unpinned
       continue
     if off:
-      held["optimizer state"] += 2 * elements * shape.dtype.itemsize
+      held["optimizer state"] += elements * moment_bytes
     if fetch:  # And their gradients, which arrive in host memory.
       held["offloaded weights"] += 2 * elements * shape.dtype.itemsize
   pinned = sum(held.values()) - held["host kernel moments"]

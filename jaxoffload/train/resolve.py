@@ -174,11 +174,14 @@ def _resolve_update_place(config: Config, offload: Optional[OffloadPlan]
     return place("device"), None
   # Each device copies its own shards; the host kernel updates all of this process's.
   per_device = offload.offloaded_elements // (config.mesh.fsdp * config.mesh.tensor)
+  moment_bytes = sum(jnp.dtype(d).itemsize for d in rules.moment_dtypes(config))
   choice = autoplace.choose(
-      autoplace.measure_machine(), offloaded_elements=per_device, moment_bytes_per_element=8,
+      autoplace.measure_machine(), offloaded_elements=per_device,
+      moment_bytes_per_element=moment_bytes,
       transfer_bytes_per_element=jnp.dtype(o.offload_transfer_dtype).itemsize,
       local_elements=per_device * jax.local_device_count(),
       host_kernel=(config.model.params_dtype == "float32"
+                   and rules.moment_dtypes(config) == ("float32", "float32")
                    and importlib.util.find_spec("numba") is not None))
   if jax.process_count() > 1:
     # Every process must build the same program: process 0's choice holds.

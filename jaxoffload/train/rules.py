@@ -52,6 +52,17 @@ def layer_groups(config: Config) -> tuple[remat.LayerGroup, ...]:
     raise ConfigError(str(error)) from None
 
 
+def moment_dtypes(config: Config) -> tuple[str, str]:
+  """The dtypes of Adam's two moments: ``optimizer.exp_avg*_dtype``, else the parameters'."""
+  o, params = config.optimizer, config.model.params_dtype
+  return o.exp_avg_dtype or params, o.exp_avg_sq_dtype or params
+
+
+def compact_moments(config: Config) -> bool:
+  """Whether a moment is stored in another dtype than the parameters (rounded stochastically)."""
+  return moment_dtypes(config) != (config.model.params_dtype,) * 2
+
+
 def warnings(config: Config, backend: str) -> list[str]:
   """Lines for the settings that train worse, or run slowly on ``backend``."""
   o, mesh = config.optimizer, config.mesh
@@ -93,6 +104,8 @@ def _check_choices(config: Config) -> None:
   _one_of("optimizer.optimizer_offload_update_on", o.optimizer_offload_update_on,
           UPDATE_PLACEMENTS)
   _one_of("optimizer.offload_transfer_dtype", o.offload_transfer_dtype, DTYPES)
+  _one_of("optimizer.exp_avg_dtype", o.exp_avg_dtype, (None,) + DTYPES)
+  _one_of("optimizer.exp_avg_sq_dtype", o.exp_avg_sq_dtype, (None,) + DTYPES)
   _one_of("data.dataset", config.data.dataset, DATASETS)
 
 
@@ -199,6 +212,11 @@ def _check_host_kernel(config: Config) -> None:
   if o.delayed_update_predict_weights and not o.delayed_update:
     raise ConfigError("optimizer.delayed_update_predict_weights=True predicts the update a delayed "
                       "step lacks; set optimizer.delayed_update=True")
+  compact = [f"optimizer.{key}={getattr(o, key)}" for key in ("exp_avg_dtype", "exp_avg_sq_dtype")
+             if getattr(o, key) not in (None, "float32")]
+  if o.optimizer_cpu_offload and o.optimizer_offload_update_on == "host_kernel" and compact:
+    raise ConfigError(f"{' and '.join(compact)}: the host kernel keeps float32 moments; use "
+                      f"optimizer.optimizer_offload_update_on=device or host")
   if (o.optimizer_cpu_offload and o.optimizer_offload_update_on == "host_kernel"
       and m.params_dtype != "float32"):
     raise ConfigError("optimizer_offload_update_on=host_kernel keeps float32 weights on the "

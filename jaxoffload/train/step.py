@@ -23,6 +23,7 @@ from jaxoffload._compat import DEVICE_KIND, to_device, to_host
 from jaxoffload.host_offload import HostAdamW
 from jaxoffload.model import Llama, next_token_loss
 from jaxoffload.params import init_params
+from jaxoffload.train import rules
 from jaxoffload.train.resolve import Setup
 
 
@@ -30,13 +31,20 @@ def optimizer(setup: Setup) -> optax.GradientTransformation:
   """Clipped AdamW on the schedule; its state partly in host memory with optimizer offload."""
   o = setup.config.optimizer
   hyper = dict(b1=o.adam_beta1, b2=o.adam_beta2, eps=o.adam_eps, weight_decay=o.weight_decay)
+  compact = rules.compact_moments(setup.config)
   if setup.host_kernel:
     on_device = jax.tree.map(lambda offloaded: not offloaded, setup.offload.mask)
     adamw = optax.masked(optax.adamw(setup.schedule, **hyper), on_device)
-  elif setup.offload is not None:
-    adamw = jaxoffload.offload_adamw(setup.schedule, **hyper, offload_mask=setup.offload.mask,
-                                     update_on=o.optimizer_offload_update_on,
-                                     overlap_transfers=o.overlap_cpu_optimizer_d2h_h2d)
+  elif setup.offload is not None or compact:
+    # With no offload, an empty mask: offload_adamw is optax.adamw with moment dtypes.
+    mask = setup.offload.mask if setup.offload is not None else jax.tree.map(
+        lambda _: False, setup.param_shapes)
+    adamw = jaxoffload.offload_adamw(
+        setup.schedule, **hyper, offload_mask=mask,
+        update_on=o.optimizer_offload_update_on if setup.offload is not None else "device",
+        overlap_transfers=o.overlap_cpu_optimizer_d2h_h2d,
+        **(dict(zip(("mu_dtype", "nu_dtype"), rules.moment_dtypes(setup.config)),
+                stochastic_rounding=True) if compact else {}))
   else:
     adamw = optax.adamw(setup.schedule, **hyper)
   return optax.chain(optax.clip_by_global_norm(o.clip_grad), adamw)
