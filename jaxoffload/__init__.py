@@ -6,6 +6,7 @@ from jaxoffload.memory import bytes_by_memory_kind, peak_device_bytes
 from jaxoffload.placement import OffloadPlan, find_offload_plan, plan_offload
 from jaxoffload.remat import (ACTIVATION_NAMES, OFFLOAD_PRESETS, LayerGroup, Placement,
                               layer_groups, megatron_layer_groups, offload_preset, remat_policy)
+from jaxoffload.rounding import stochastic_round
 
 __all__ = [
     "ACTIVATION_NAMES",
@@ -25,4 +26,5 @@ __all__ = [
     "plan_offload",
     "remat_policy",
     "scale_by_offloaded_adam",
+    "stochastic_round",
 ]

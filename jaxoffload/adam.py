@@ -231,8 +231,9 @@ def offload_adamw(
     learning_rate: a number or an optax schedule.
     b1, b2, eps, weight_decay, mask: as in ``optax.adamw``.
     mu_dtype, nu_dtype, stochastic_rounding, offload_fraction, offload_mask, update_on,
-      overlap_transfers: as in ``scale_by_offloaded_adam``. Under ``optax.inject_hyperparams`` with a
-      jitted ``init``, name ``offload_fraction`` in ``static_args``.
+      overlap_transfers: as in ``scale_by_offloaded_adam``. Under
+      ``optax.inject_hyperparams`` with a jitted ``init``, name ``offload_fraction``
+      in ``static_args``.
 
   Returns:
     An ``optax.GradientTransformation`` that gives the same updates as

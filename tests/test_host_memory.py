@@ -6,10 +6,10 @@ import sys
 import jax
 import pytest
 
-from jaxoffload.memory import parse_bytes
+from jaxoffload.memory import host_rss_bytes, parse_bytes
 from jaxoffload.train import Trainer, load_config, resolve
 from jaxoffload.train.config import ConfigError
-from jaxoffload.train.host_memory import needed
+from jaxoffload.train.host_memory import _read_keyed, available, needed
 
 OFFLOAD = ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=1.0"]
 MESH = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
@@ -65,6 +65,7 @@ def test_the_host_kernel_arithmetic_is_what_it_allocates():
   assert need.held["optimizer state"] == 0
 
 
+@pytest.mark.slow
 def test_a_run_that_cannot_fit_is_refused_in_one_line_before_it_allocates():
   result = subprocess.run(
       [sys.executable, "-m", "jaxoffload.train", "--config", "configs/llama_8b_offload.yaml",
@@ -77,3 +78,16 @@ def test_a_run_that_cannot_fit_is_refused_in_one_line_before_it_allocates():
   assert "optimizer state 64.2 GB" in line
   assert "left under train.host_memory_limit=16.0 GB" in line
   assert "lower it with optimizer.optimizer_offload_fraction" in line
+
+
+def test_the_budget_is_the_limit_less_what_the_process_holds_else_the_machines(tmp_path):
+  held = host_rss_bytes()
+  have, source = available(10**12)
+  assert held <= 10**12 - have <= 2 * held  # RSS read twice: the second may have grown.
+  assert source.startswith("left under train.host_memory_limit=1000.0 GB with the ")
+  have, source = available(None)
+  assert 0 < have and ("MemAvailable" in source or "cgroup" in source)
+  meminfo = tmp_path / "meminfo"
+  meminfo.write_text("MemTotal:  1000 kB\nMemAvailable:   512 kB\nHugePages_Total:       0\n")
+  assert _read_keyed(str(meminfo)) == {"MemTotal": 1000, "MemAvailable": 512,
+                                       "HugePages_Total": 0}

@@ -1,4 +1,4 @@
-"""Stochastic rounding to bfloat16: between neighbours, unbiased, and what keeps Adam's nu moving."""
+"""Stochastic rounding to bfloat16: near its value, unbiased, and what keeps Adam's nu moving."""
 
 import jax
 import jax.numpy as jnp

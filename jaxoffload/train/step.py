@@ -32,6 +32,7 @@ def optimizer(setup: Setup) -> optax.GradientTransformation:
   o = setup.config.optimizer
   hyper = dict(b1=o.adam_beta1, b2=o.adam_beta2, eps=o.adam_eps, weight_decay=o.weight_decay)
   compact = rules.compact_moments(setup.config)
+  mu_dtype, nu_dtype = rules.moment_dtypes(setup.config)
   if setup.host_kernel:
     on_device = jax.tree.map(lambda offloaded: not offloaded, setup.offload.mask)
     adamw = optax.masked(optax.adamw(setup.schedule, **hyper), on_device)
@@ -42,9 +43,8 @@ def optimizer(setup: Setup) -> optax.GradientTransformation:
     adamw = jaxoffload.offload_adamw(
         setup.schedule, **hyper, offload_mask=mask,
         update_on=o.optimizer_offload_update_on if setup.offload is not None else "device",
-        overlap_transfers=o.overlap_cpu_optimizer_d2h_h2d,
-        **(dict(zip(("mu_dtype", "nu_dtype"), rules.moment_dtypes(setup.config)),
-                stochastic_rounding=True) if compact else {}))
+        overlap_transfers=o.overlap_cpu_optimizer_d2h_h2d, mu_dtype=mu_dtype, nu_dtype=nu_dtype,
+        stochastic_rounding=compact)
   else:
     adamw = optax.adamw(setup.schedule, **hyper)
   return optax.chain(optax.clip_by_global_norm(o.clip_grad), adamw)
