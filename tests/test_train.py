@@ -264,3 +264,33 @@ def test_combinations_that_train_worse_or_slower_are_warned_about(overrides, bac
     assert warning.startswith(start)
   if SHARDED in warned:
     assert "mesh.data avoids it" in warnings[0]
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (the CPU backend has them in CI)")
+@pytest.mark.parametrize("overrides", [
+    pytest.param([], marks=pytest.mark.slow),
+    ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5",
+     "model.cpu_offloading=True", "model.cpu_offloading_num_layers=1",
+     "model.cpu_offloading_activations=False", "model.cpu_offloading_weights=True"],
+    pytest.param(HOST_KERNEL + ["model.dtype=bfloat16", "optimizer.offload_transfer_dtype=bfloat16"],
+                 marks=pytest.mark.slow),
+    pytest.param(["optimizer.exp_avg_sq_dtype=bfloat16", "train.micro_batch_size=4"],
+                 marks=pytest.mark.slow),
+], ids=["plain", "offload-and-weights", "host-kernel", "compact-accumulated"])
+def test_a_trainer_of_shapes_compiles_the_same_step_and_allocates_nothing(overrides):
+  setup = resolve(load_config(None, overrides + ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]))
+  tokens = setup.global_batch(0)
+  before = {id(x) for x in jax.live_arrays()}
+  shapes = Trainer.from_shapes(setup)
+  planned = shapes.compile(jax.ShapeDtypeStruct(tokens.shape, tokens.dtype,
+                                                sharding=tokens.sharding)).memory_analysis()
+  assert not {id(x) for x in jax.live_arrays()} - before
+  trainer = Trainer(setup)
+  placed = jax.tree.map(lambda x: (x.shape, x.dtype, x.sharding),
+                        (trainer.params, trainer.host_params, trainer.opt_state))
+  assert placed == jax.tree.map(lambda x: (x.shape, x.dtype, x.sharding),
+                                (shapes.params, shapes.host_params, shapes.opt_state))
+  real = trainer.compile(tokens).memory_analysis()
+  for field in ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+                "temp_size_in_bytes"):
+    assert getattr(planned, field) == getattr(real, field), field

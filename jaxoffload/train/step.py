@@ -19,10 +19,11 @@ import optax
 
 import jaxoffload
 from jaxoffload import remat
-from jaxoffload._compat import DEVICE_KIND, to_device, to_host
+from jaxoffload._compat import DEVICE_KIND, PINNED_HOST, to_device, to_host
 from jaxoffload.host_offload import HostAdamW
 from jaxoffload.model import Llama, next_token_loss
 from jaxoffload.params import init_params
+from jaxoffload.placement import leaf_path
 from jaxoffload.train import rules
 from jaxoffload.train.resolve import Setup
 
@@ -76,21 +77,55 @@ class Trainer:
   """
 
   def __init__(self, setup: Setup, params: Any = None):
-    self.setup = setup
-    leaves, self._treedef = jax.tree.flatten(_init_params(setup) if params is None else params)
-    is_host = setup.offload.offloaded if setup.host_kernel else (False,) * len(leaves)
-    self._is_host = list(is_host)
-    self.params = [p for p, h in zip(leaves, is_host) if not h]
+    self._build(setup)
+    leaves = jax.tree.leaves(_init_params(setup) if params is None else params)
+    self.params = [p for p, h in zip(leaves, self._is_host) if not h]
     self.host: Optional[HostAdamW] = (
-        host_adamw(setup, [p for p, h in zip(leaves, is_host) if h]) if setup.host_kernel
+        host_adamw(setup, [p for p, h in zip(leaves, self._is_host) if h]) if setup.host_kernel
         else None)
+    self.opt_state = jax.device_put(self._opt.init(_device_shapes(setup)), self._state_shardings)
+
+  @classmethod
+  def from_shapes(cls, setup: Setup) -> "Trainer":
+    """A trainer whose parameters and state are shapes and placements, nothing allocated: it
+    compiles (``compile``, and XLA's memory analysis of the step) but does not step.
+
+    Example:
+      >>> analysis = Trainer.from_shapes(setup).compile(tokens).memory_analysis()
+    """
+    trainer = cls.__new__(cls)
+    trainer._build(setup)
+    struct = lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    leaves = [struct(x, s) for x, s in zip(jax.tree.leaves(setup.param_shapes),
+                                           jax.tree.leaves(setup.param_shardings))]
+    trainer.params = [p for p, h in zip(leaves, trainer._is_host) if not h]
+    trainer.host = None
+    # What HostAdamW.params would be: each leaf in the dtype the device reads it in.
+    trainer._host_shapes = [jax.ShapeDtypeStruct(p.shape, d, sharding=p.sharding) for p, d in
+                            zip([p for p, h in zip(leaves, trainer._is_host) if h],
+                                setup.transfer_dtypes if setup.host_kernel else [])]
+    trainer.opt_state = jax.tree.map(struct, jax.eval_shape(trainer._opt.init,
+                                                            _device_shapes(setup)),
+                                     trainer._state_shardings)
+    return trainer
+
+  def _build(self, setup: Setup) -> None:
+    """What the step is, from ``setup`` alone: the optimizer, where every leaf of the step's
+    arguments lives, and the jitted step."""
+    self.setup = setup
+    self._treedef = jax.tree.structure(setup.param_shapes)
+    self._is_host = list(setup.offload.offloaded if setup.host_kernel
+                         else (False,) * self._treedef.num_leaves)
+    self._host_shapes: list[jax.ShapeDtypeStruct] = []
     self._opt = optimizer(setup)
-    self.opt_state, state_shardings = self._init_state()
+    self._state_shardings = _state_shardings(setup, jax.eval_shape(self._opt.init,
+                                                                   _device_shapes(setup)))
     shardings = jax.tree.leaves(setup.param_shardings)
     host_scalar = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec(),
                                              memory_kind="pinned_host")
-    out_shardings = ([s for s, h in zip(shardings, is_host) if not h], state_shardings, None,
-                     None, [s for s, h in zip(shardings, is_host) if h],
+    out_shardings = ([s for s, h in zip(shardings, self._is_host) if not h],
+                     self._state_shardings, None, None,
+                     [s for s, h in zip(shardings, self._is_host) if h],
                      host_scalar if setup.host_kernel else None)
     self._step = jax.jit(self._train_step, donate_argnums=(0, 2), out_shardings=out_shardings)
     self._eval_loss = jax.jit(self._loss)
@@ -99,7 +134,7 @@ class Trainer:
   @property
   def host_params(self) -> list[jax.Array]:
     """What the step reads of the host kernel's leaves (none without it)."""
-    return [] if self.host is None else self.host.params
+    return self._host_shapes if self.host is None else self.host.params
 
   def compile(self, tokens: jax.Array) -> jax.stages.Compiled:
     """Compiles the step for batches like ``tokens``; later steps run this program."""
@@ -190,21 +225,33 @@ class Trainer:
     return ([p for p, h in zip(jax.tree.leaves(new_params), self._is_host) if not h], opt_state,
             loss, grad_norm, host_grads, clip_factor)
 
-  def _init_state(self):
-    """The optimizer's state and its shardings, placed as every step will see them."""
-    mesh = self.setup.mesh
-    # From the parameters' shapes and device shardings: host-resident weights
-    # must not be read, and offloaded state starts where the plan says.
-    shapes = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s.with_memory_kind(
-            DEVICE_KIND)), self.setup.param_shapes, self.setup.param_shardings)
-    state = self._opt.init(shapes)
-    # Scalars optax made uncommitted are replicated over the mesh, so that step 1
-    # sees the placements every later step sees and the step compiles once.
-    shardings = jax.tree.map(
-        lambda x: x.sharding if isinstance(x.sharding, jax.sharding.NamedSharding)
-        else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()), state)
-    return jax.device_put(state, shardings), shardings
+def _device_shapes(setup: Setup) -> Any:
+  """The parameters' shapes and shardings in device memory: what the optimizer's state is
+  made from (host-resident weights must not be read, and offloaded state starts where the
+  plan says)."""
+  return jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s.with_memory_kind(
+          DEVICE_KIND)), setup.param_shapes, setup.param_shardings)
+
+
+def _state_shardings(setup: Setup, state: Any) -> Any:
+  """Where each leaf of the optimizer state lives: a moment beside its parameter, in
+  pinned_host where the plan offloads it, and a scalar replicated over the mesh (so that
+  step 1 sees the placements every later step sees, and the step compiles once)."""
+  offloaded = (setup.offload.offloaded if setup.offload is not None and not setup.host_kernel
+               else (False,) * len(jax.tree.leaves(setup.param_shapes)))
+  beside = {leaf_path(path): s.with_memory_kind(PINNED_HOST if off else DEVICE_KIND)
+            for (path, s), off in zip(
+                jax.tree_util.tree_flatten_with_path(setup.param_shardings)[0], offloaded)}
+  replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
+
+  def place(path, leaf):
+    if not leaf.shape:
+      return replicated
+    state_path = leaf_path(path)  # Ends with its parameter's: "1/0/mu/embed/embedding".
+    return beside[max((p for p in beside if state_path.endswith("/" + p)), key=len)]
+
+  return jax.tree_util.tree_map_with_path(place, state)
 
 
 def _init_params(setup: Setup) -> Any:
