@@ -1,12 +1,10 @@
 """The planner: the table, the pruning of fractions, the pick, and the command it prints."""
 
-import subprocess
-import sys
-
 import pytest
 
 from jaxoffload import autoplace, plan
 from jaxoffload.train import load_config
+from jaxoffload.train.__main__ import main as train_main
 
 MACHINE = autoplace.Machine(host_to_device=50e9, device_to_host=50e9, kernel_rate=5e9,
                             kernel_threads=16)
@@ -40,23 +38,22 @@ def test_the_smallest_fraction_that_fits_is_each_placements_candidate(monkeypatc
 
 
 @pytest.mark.slow
-def test_the_planner_prints_a_command_that_trains():
-  result = subprocess.run([sys.executable, "-m", "jaxoffload.plan", "train.train_iters=2"],
-                          capture_output=True, text=True, timeout=300, check=False)
-  assert result.returncode == 0, result.stderr[-2000:]
-  assert "| offload | update on | achieved | device peak | host | added a step | fits |" in (
-      result.stdout)
-  command = result.stdout.strip().splitlines()[-1].split()
+def test_the_planner_prints_a_command_that_trains(monkeypatch, capsys):
+  monkeypatch.setattr(autoplace, "measure_machine", lambda: MACHINE)
+  plan.main(["train.train_iters=2"])
+  out = capsys.readouterr().out
+  assert "| offload | update on | achieved | device peak | host | added a step | fits |" in out
+  command = out.strip().splitlines()[-1].split()
   assert command[:3] == ["python", "-m", "jaxoffload.train"]
-  trained = subprocess.run([sys.executable, *command[1:]], capture_output=True, text=True,
-                           timeout=300, check=False)
-  assert trained.returncode == 0, trained.stderr[-2000:]
-  assert "2 steps: loss" in trained.stdout
+  train_main(command[3:])
+  assert "2 steps: loss" in capsys.readouterr().out
 
 
-@pytest.mark.slow
-def test_when_nothing_fits_the_planner_says_so_in_one_line():
-  result = subprocess.run([sys.executable, "-m", "jaxoffload.plan", "train.host_memory_limit=1MB"],
-                          capture_output=True, text=True, timeout=300, check=False)
-  assert result.returncode == 2
-  assert result.stderr.strip().splitlines()[-1].startswith("error: no candidate fits this machine")
+def test_when_nothing_fits_the_planner_says_so_in_one_line(monkeypatch, capsys):
+  monkeypatch.setattr(autoplace, "measure_machine", lambda: MACHINE)
+  monkeypatch.setattr(plan, "judge", lambda config, fraction, update_on, machine: plan.Candidate(
+      fraction, update_on, fraction, device_bytes=0, host_bytes=10**9, added_s=0.0))
+  with pytest.raises(SystemExit) as stop:
+    plan.main(["train.host_memory_limit=1MB"])
+  assert stop.value.code == 2
+  assert capsys.readouterr().err.startswith("error: no candidate fits this machine: ")

@@ -268,7 +268,6 @@ def test_combinations_that_train_worse_or_slower_are_warned_about(overrides, bac
 
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (the CPU backend has them in CI)")
 @pytest.mark.parametrize("overrides", [
-    pytest.param([], marks=pytest.mark.slow),
     ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5",
      "model.cpu_offloading=True", "model.cpu_offloading_num_layers=1",
      "model.cpu_offloading_activations=False", "model.cpu_offloading_weights=True"],
@@ -277,7 +276,7 @@ def test_combinations_that_train_worse_or_slower_are_warned_about(overrides, bac
                  marks=pytest.mark.slow),
     pytest.param(["optimizer.exp_avg_sq_dtype=bfloat16", "train.micro_batch_size=4"],
                  marks=pytest.mark.slow),
-], ids=["plain", "offload-and-weights", "host-kernel", "compact-accumulated"])
+], ids=["offload-and-weights", "host-kernel", "compact-accumulated"])
 def test_a_trainer_of_shapes_compiles_the_same_step_and_allocates_nothing(overrides):
   setup = resolve(load_config(None, overrides + ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]))
   tokens = setup.global_batch(0)
