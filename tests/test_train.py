@@ -274,9 +274,7 @@ def test_combinations_that_train_worse_or_slower_are_warned_about(overrides, bac
     pytest.param(HOST_KERNEL + ["model.dtype=bfloat16",
                                 "optimizer.offload_transfer_dtype=bfloat16"],
                  marks=pytest.mark.slow),
-    pytest.param(["optimizer.exp_avg_sq_dtype=bfloat16", "train.micro_batch_size=4"],
-                 marks=pytest.mark.slow),
-], ids=["offload-and-weights", "host-kernel", "compact-accumulated"])
+], ids=["offload-and-weights", "host-kernel"])
 def test_a_trainer_of_shapes_compiles_the_same_step_and_allocates_nothing(overrides):
   setup = resolve(load_config(None, overrides + ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]))
   tokens = setup.global_batch(0)
