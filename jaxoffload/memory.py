@@ -63,6 +63,17 @@ def peak_device_bytes(device: jax.Device | None = None) -> int | None:
   return max(peaks) if peaks else None
 
 
+def compiled_device_bytes(analysis: Any) -> int:
+  """A compiled program's device bytes from XLA's memory analysis: arguments, outputs and
+  temporaries, donated buffers counted once (host memory spaces are counted apart).
+
+  Example:
+    >>> compiled_device_bytes(jax.jit(step).lower(*args).compile().memory_analysis())
+  """
+  return (analysis.argument_size_in_bytes + analysis.output_size_in_bytes
+          - analysis.alias_size_in_bytes + analysis.temp_size_in_bytes)
+
+
 def host_rss_bytes() -> int | None:
   """This process's resident host memory now, in bytes; None where the system does not say.
 

@@ -28,12 +28,12 @@ import sys
 from typing import Optional
 
 import jax
-import jax.numpy as jnp
 
 from jaxoffload import autoplace
-from jaxoffload.memory import host_rss_bytes, parse_bytes
+from jaxoffload.memory import compiled_device_bytes, host_rss_bytes, parse_bytes
 from jaxoffload.train import host_memory, load_config, resolve, rules, Trainer
 from jaxoffload.train.config import Config, ConfigError
+from jaxoffload.train.resolve import host_kernel_allowed, price_updates
 
 FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
 DEVICE_HEADROOM = 0.05  # XLA's estimate leaves out fragmentation and the runtime's own use.
@@ -80,22 +80,12 @@ def judge(config: Config, fraction: float, update_on: str,
   tokens = setup.global_batch(0)
   analysis = Trainer.from_shapes(setup).compile(jax.ShapeDtypeStruct(
       tokens.shape, tokens.dtype, sharding=tokens.sharding)).memory_analysis()
-  device = (analysis.argument_size_in_bytes + analysis.output_size_in_bytes
-            - analysis.alias_size_in_bytes + analysis.temp_size_in_bytes)
   host = (host_rss_bytes() or 0) + host_memory.needed(setup).total
-  added = 0.0
-  if setup.offload is not None:
-    o = setup.config.optimizer
-    per_device = setup.offload.offloaded_elements // (config.mesh.fsdp * config.mesh.tensor)
-    choice = autoplace.choose(
-        machine, offloaded_elements=per_device,
-        moment_bytes_per_element=sum(jnp.dtype(d).itemsize for d in rules.moment_dtypes(config)),
-        transfer_bytes_per_element=jnp.dtype(o.offload_transfer_dtype).itemsize,
-        local_elements=per_device * jax.local_device_count(),
-        host_kernel=update_on == "host_kernel")
-    added = choice.predicted_s[update_on]
+  added = 0.0 if setup.offload is None else price_updates(
+      setup.config, setup.offload, machine, host_kernel=update_on == "host_kernel"
+  ).predicted_s[update_on]
   return Candidate(fraction, update_on, setup.offload.fraction if setup.offload else 0.0,
-                   device, host, added)
+                   compiled_device_bytes(analysis), host, added)
 
 
 def plan(config: Config, *, device_budget: Optional[int], host_budget: int,
@@ -108,9 +98,8 @@ def plan(config: Config, *, device_budget: Optional[int], host_budget: int,
     host_budget: bytes this process may hold.
   """
   machine = autoplace.measure_machine()
-  host_kernel = (machine.kernel_rate is not None and config.model.params_dtype == "float32"
-                 and rules.moment_dtypes(config) == ("float32", "float32"))
-  places = ["device"] + (["host_kernel"] if host_kernel else [])
+  places = ["device"] + (["host_kernel"] if machine.kernel_rate is not None
+                         and host_kernel_allowed(config) else [])
   fits_device = lambda c: device_budget is None or c.device_bytes <= (
       1 - DEVICE_HEADROOM) * device_budget
   fits_host = lambda c: c.host_bytes <= (1 - HOST_HEADROOM) * host_budget

@@ -12,7 +12,7 @@ from typing import Callable, Optional
 import jax
 
 import jaxoffload
-from jaxoffload.memory import host_rss_bytes
+from jaxoffload.memory import compiled_device_bytes, host_rss_bytes
 from jaxoffload.train import checkpoints as ckpt
 from jaxoffload.train import host_memory, launch, metrics, rules, weights
 from jaxoffload.train.config import Config
@@ -116,9 +116,8 @@ def _run(setup: Setup, checkpoints, tensorboard: Optional[metrics.TensorBoard], 
   if trainer.host is not None:
     trainer.host.finish()
   log(meter.summary())
-  device_bytes = (analysis.argument_size_in_bytes + analysis.output_size_in_bytes
-                  - analysis.alias_size_in_bytes + analysis.temp_size_in_bytes)
-  return Run(setup, meter.records, compile_s, device_bytes, host_temp, offloaded_state)
+  return Run(setup, meter.records, compile_s, compiled_device_bytes(analysis), host_temp,
+             offloaded_state)
 
 
 def _train(setup: Setup, trainer: Trainer, checkpoints, meter: metrics.Monitor, steps: range,

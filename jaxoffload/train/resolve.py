@@ -161,6 +161,27 @@ def _mesh(config: Config) -> jax.sharding.Mesh:
   return mesh
 
 
+def host_kernel_allowed(config: Config) -> bool:
+  """Whether the host kernel can hold this config's state: float32 weights and moments."""
+  return (config.model.params_dtype == "float32"
+          and rules.moment_dtypes(config) == ("float32", "float32"))
+
+
+def price_updates(config: Config, offload: OffloadPlan, machine: autoplace.Machine, *,
+                  host_kernel: bool) -> autoplace.Choice:
+  """What each exact update placement adds to a step of ``config`` with ``offload``, on
+  ``machine`` (the host kernel priced only where ``host_kernel`` and the config allow it)."""
+  o = config.optimizer
+  # Each device copies its own shards; the host kernel updates all of this process's.
+  per_device = offload.offloaded_elements // (config.mesh.fsdp * config.mesh.tensor)
+  return autoplace.choose(
+      machine, offloaded_elements=per_device,
+      moment_bytes_per_element=sum(jnp.dtype(d).itemsize for d in rules.moment_dtypes(config)),
+      transfer_bytes_per_element=jnp.dtype(o.offload_transfer_dtype).itemsize,
+      local_elements=per_device * jax.local_device_count(),
+      host_kernel=host_kernel and host_kernel_allowed(config))
+
+
 def _resolve_update_place(config: Config, offload: Optional[OffloadPlan]
                           ) -> tuple[Config, Optional[autoplace.Choice]]:
   """``config`` with ``optimizer_offload_update_on=auto`` replaced by the exact placement this
@@ -172,17 +193,8 @@ def _resolve_update_place(config: Config, offload: Optional[OffloadPlan]
       config, optimizer=dataclasses.replace(o, optimizer_offload_update_on=p))
   if offload is None:
     return place("device"), None
-  # Each device copies its own shards; the host kernel updates all of this process's.
-  per_device = offload.offloaded_elements // (config.mesh.fsdp * config.mesh.tensor)
-  moment_bytes = sum(jnp.dtype(d).itemsize for d in rules.moment_dtypes(config))
-  choice = autoplace.choose(
-      autoplace.measure_machine(), offloaded_elements=per_device,
-      moment_bytes_per_element=moment_bytes,
-      transfer_bytes_per_element=jnp.dtype(o.offload_transfer_dtype).itemsize,
-      local_elements=per_device * jax.local_device_count(),
-      host_kernel=(config.model.params_dtype == "float32"
-                   and rules.moment_dtypes(config) == ("float32", "float32")
-                   and importlib.util.find_spec("numba") is not None))
+  choice = price_updates(config, offload, autoplace.measure_machine(),
+                         host_kernel=importlib.util.find_spec("numba") is not None)
   if jax.process_count() > 1:
     # Every process must build the same program: process 0's choice holds.
     places = list(choice.predicted_s)
