@@ -82,6 +82,15 @@ def _read_scalar(value: Union[float, jax.Array]) -> float:
   return float(np.asarray(value))
 
 
+def _shard_values(values: Any, like: jax.Array) -> list[np.ndarray]:
+  """This process's shards of the whole leaf ``values`` (a JAX or numpy array), cut as
+  ``like`` is and in its device order."""
+  if isinstance(values, jax.Array):
+    return [np.asarray(shard.data) for shard in _sorted_shards(values)]
+  indices = like.sharding.addressable_devices_indices_map(like.shape)
+  return [np.asarray(values[indices[shard.device]]) for shard in _sorted_shards(like)]
+
+
 def _gather(shards: Sequence[np.ndarray], like: jax.Array) -> jax.Array:
   """Per-shard numpy arrays as one JAX array placed like ``like``."""
   # Copies: device_put may keep using a numpy array's memory, and these change.
@@ -287,13 +296,24 @@ class HostAdamW:
     """Continues from a state ``checkpoint`` made (restored into ``checkpoint_target``)."""
     # Copies the kernel may write: XLA's own buffers, never read into numpy.
     self._place([_copy(p) for p in state["params"]])
+    self.load_moments(state)
+
+  def load_moments(self, state: dict) -> None:
+    """Continues from a checkpoint's moments, update count and held gradients, keeping the
+    weights it holds.
+
+    Args:
+      state: ``checkpoint``'s items but ``params``. ``mu`` and ``nu`` may be any
+        iterables of whole leaves (JAX or numpy arrays, float32), read one at a time:
+        a generator that reads each from disk holds one leaf in memory at once.
+    """
     saved_views = [(state["mu"], self._mu), (state["nu"], self._nu)]
     if "device_params" in state:
       saved_views.append((state["device_params"], [c[0] for c in self._copy_views]))
     for saved, views in saved_views:
-      for array, shards in zip(saved, views):
-        for shard, values in zip(shards, _sorted_shards(array)):
-          shard[...] = np.asarray(values.data)
+      for values, shards, like in zip(saved, views, self.weights):
+        for shard, part in zip(shards, _shard_values(values, like)):
+          shard[...] = part
     self.count = int(state["count"])
     self._rates_start, self._rates = self.count, self._schedule_table(self.count)
     self._held = ((list(state["held_grads"]), state["held_scale"])

@@ -55,16 +55,22 @@ def init_params(model: Llama, key: jax.Array, tokens: jax.Array, shardings: Any 
 _GROUP_NAME = re.compile(r"layers_(\d+)_(\d+)")
 
 
+def group_layers(name: str) -> Optional[range]:
+  """The layers of a layer group's collection name (``"layers_0_11"``: layers 0 to 10);
+  None for any other name."""
+  match = _GROUP_NAME.fullmatch(name)
+  return range(int(match.group(1)), int(match.group(2))) if match else None
+
+
 def regroup(params: dict, groups: Sequence[LayerGroup]) -> dict:
   """The same weights with the layer stacks cut at ``groups``' boundaries.
 
   Example:
     >>> params = regroup(params, layer_groups(cfg.num_layers, offload_num_layers=11))
   """
-  stacks = sorted((int(m.group(1)), name) for name in params
-                  if (m := _GROUP_NAME.fullmatch(name)))
+  stacks = sorted((group_layers(name).start, name) for name in params if group_layers(name))
   layers = jax.tree.map(lambda *xs: jnp.concatenate(xs), *[params[name] for _, name in stacks])
-  rest = {name: value for name, value in params.items() if not _GROUP_NAME.fullmatch(name)}
+  rest = {name: value for name, value in params.items() if group_layers(name) is None}
   for group in groups:
     rest[group_name(group)] = jax.tree.map(lambda x: x[group.start:group.stop], layers)
   return rest

@@ -8,6 +8,8 @@ import jax
 import numpy as np
 import pytest
 
+from jaxoffload.params import regroup
+from jaxoffload.remat import layer_groups
 from jaxoffload.train import Trainer, load_config, resolve, train
 from jaxoffload.train import checkpoints as ckpt
 from jaxoffload.train.config import ConfigError
@@ -86,14 +88,15 @@ def test_offloaded_state_is_restored_into_pinned_host(tmp_path):
                               "optimizer.optimizer_offload_fraction=0.5",
                               "model.cpu_offloading=True", "model.cpu_offloading_num_layers=2",
                               "model.cpu_offloading_weights=True", f"checkpoint.dir={tmp_path}"])
-  saved, restored = Trainer(resolve(config)), Trainer(resolve(config))
+  setup = resolve(config)
+  saved = Trainer(setup)
   kinds = lambda tree: [x.sharding.memory_kind for x in jax.tree.leaves(tree)]
   assert "pinned_host" in kinds(saved.params) and "pinned_host" in kinds(saved.opt_state)
   checkpoints = ckpt.manager(config)
   saved.step(saved.setup.global_batch(0))  # Restored values must differ from fresh ones.
   ckpt.save(checkpoints, 1, saved)
   checkpoints.wait_until_finished()
-  ckpt.restore(checkpoints, 1, restored)
+  restored = Trainer(setup, *ckpt.read(checkpoints, 1, setup))
   state = lambda t: (t.params, t.opt_state)
   assert kinds(state(restored)) == kinds(state(saved))
   for got, want in zip(jax.tree.leaves(state(restored)), jax.tree.leaves(state(saved))):
@@ -163,19 +166,64 @@ def test_a_run_resumes_across_offload_fractions_and_update_placements_exactly(tm
   np.testing.assert_array_equal(losses, whole)
 
 
+DELAYED = HOST_KERNEL + ["optimizer.delayed_update=True"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("change, message", [
-    ("optimizer.optimizer_offload_update_on=host_kernel",
-     r"cannot be resumed under this run's settings \(optimizer.optimizer_offload_update_on: "
-     r"'device' -> 'host_kernel'\): .+ checkpoint.init_from="),
-    ("model.hidden_size=128", r"holds another model \(model.hidden_size: 64 -> 128\): give this "
-                              r"run a new checkpoint.dir$"),
-])
-def test_what_cannot_resume_is_named_and_nothing_is_renamed(tmp_path, change, message):
-  base = ["train.train_iters=2", f"checkpoint.dir={tmp_path}", "checkpoint.resume=True",
-          "optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5"]
+@pytest.mark.parametrize("base, change, message", [
+    (DELAYED, "optimizer.delayed_update=False",
+     r"cannot be resumed under this run's settings \(optimizer.delayed_update: True -> False\): "
+     r".+ checkpoint.init_from="),
+    ([], "model.hidden_size=128", r"holds another model \(model.hidden_size: 64 -> 128\): give "
+                                  r"this run a new checkpoint.dir$"),
+], ids=["held-gradients", "model"])
+def test_what_cannot_resume_is_named_and_nothing_is_renamed(tmp_path, base, change, message):
+  base = ["train.train_iters=2", f"checkpoint.dir={tmp_path}", "checkpoint.resume=True", *base]
   train(load_config(None, base), log=QUIET, stop_after_step=1)
   with pytest.raises(ConfigError, match=rf"^checkpoint step 1 in {re.escape(str(tmp_path))} "
                                         rf"{message}"):
     train(load_config(None, base + [change]), log=QUIET)
   assert sorted(p.name for p in tmp_path.iterdir()) == ["1"]
+
+
+def one_stack(tree, num_layers):
+  """A checkpoint tree with its layer stacks joined, in numpy: comparable across groupings."""
+  return regroup(jax.tree.map(np.asarray, tree), layer_groups(num_layers))
+
+
+OFFLOAD = ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5"]
+ACTIVATIONS = ["model.cpu_offloading=True", "model.cpu_offloading_num_layers=1"]
+
+
+@pytest.mark.parametrize("before, after", [
+    pytest.param(OFFLOAD, HOST_KERNEL[:1] + ["optimizer.optimizer_offload_fraction=1.0",
+                                             "optimizer.optimizer_offload_update_on=host_kernel"],
+                 id="device-to-host-kernel"),
+    pytest.param(HOST_KERNEL, ["optimizer.optimizer_cpu_offload=False"] + ACTIVATIONS
+                 + ["model.cpu_offloading_weights=True"], id="host-kernel-to-weights-offload"),
+    pytest.param(ACTIVATIONS + ["optimizer.exp_avg_dtype=bfloat16"], OFFLOAD,
+                 id="bfloat16-moments-and-layer-groups", marks=pytest.mark.slow),
+])
+def test_a_checkpoint_resumes_under_another_setting_with_its_state_intact(tmp_path, before,
+                                                                          after):
+  directory = [f"checkpoint.dir={tmp_path}"]
+  run_before = load_config(None, directory + before)
+  trainer = Trainer(resolve(run_before))
+  trainer.step(trainer.setup.global_batch(0))
+  checkpoints = ckpt.manager(run_before)
+  ckpt.save(checkpoints, 1, trainer)
+  checkpoints.wait_until_finished()
+  setup = resolve(load_config(None, directory + after))
+  resumed = Trainer(setup, *ckpt.read(checkpoints, 1, setup))
+  # Each leaf where the new setting keeps it, with the values saved (bfloat16 widens exactly).
+  saved, restored = trainer.checkpoint(), resumed.checkpoint()
+  for name in ("params", "mu", "nu"):
+    layers = setup.model.num_layers
+    for got, want in zip(jax.tree.leaves(one_stack(restored[name], layers)),
+                         jax.tree.leaves(one_stack(saved[name], layers))):
+      np.testing.assert_array_equal(got, want.astype(got.dtype))
+  want_kinds = jax.tree.leaves(Trainer.from_shapes(setup).opt_state)
+  assert ([x.sharding.memory_kind for x in jax.tree.leaves(resumed.opt_state)]
+          == [x.sharding.memory_kind for x in want_kinds])
+  assert resumed.step(setup.global_batch(1))[0] == pytest.approx(
+      trainer.step(trainer.setup.global_batch(1))[0], rel=1e-5)

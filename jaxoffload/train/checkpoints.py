@@ -1,12 +1,15 @@
-"""Orbax checkpoints of a ``Trainer``: asynchronous saves, restored straight into its placements.
+"""Orbax checkpoints of a ``Trainer``: asynchronous saves, resumed under any offload setting.
 
-A checkpoint holds four items: ``params`` (the whole parameter tree, whatever
-was offloaded), ``opt_state``, ``host`` (the host kernel's moments, if any) and
-``meta`` (the resolved config and the step, as JSON). Orbax records no memory
-kind, so a restore reads into a target that names each leaf's sharding and
-memory kind: offloaded state goes straight back to host memory. ``params``
-alone can be read into any placement: to fine-tune from another run
-(``checkpoint.init_from``) or to export (``python -m jaxoffload.export``).
+A checkpoint holds the run's state in a form no setting owns: ``params`` (the
+whole parameter tree, whatever was offloaded), ``mu`` and ``nu`` (Adam's
+moments, trees like it, whichever optimizer held them), ``host_kernel`` (a
+delayed host update's held gradients, if any) and ``meta`` (the resolved
+config and the step, as JSON). Orbax records no memory kind: a resume reads
+each leaf into the resuming run's grouping, dtype and placement
+(``jaxoffload.train.reader``), so a run can change its offload fraction, its
+update placement, its activation or weights offload and its moments' dtypes
+between two runs. ``params`` alone starts another run
+(``checkpoint.init_from``) or an export (``python -m jaxoffload.export``).
 """
 
 from __future__ import annotations
@@ -18,10 +21,13 @@ from typing import Any, Callable, Optional
 import orbax.checkpoint as ocp
 
 from jaxoffload.model import LlamaConfig
-from jaxoffload.train import rules
-from jaxoffload.train.config import Config, ConfigError, ModelConfig
+from jaxoffload.train import reader, rules
+from jaxoffload.train.config import Config, ConfigError
 from jaxoffload.train.loading import config_from_dict
-from jaxoffload.train.step import Trainer
+from jaxoffload.train.resolve import Setup
+from jaxoffload.train.step import Moments, Trainer
+
+STATE_ITEMS = ("params", "mu", "nu")
 
 
 def manager(config: Config) -> Optional[ocp.CheckpointManager]:
@@ -48,50 +54,66 @@ def manager(config: Config) -> Optional[ocp.CheckpointManager]:
 
 def save(checkpoints: ocp.CheckpointManager, step: int, trainer: Trainer) -> None:
   """Starts an asynchronous save of the trainer's state, its config and the step."""
-  items = {name: ocp.args.StandardSave(tree) for name, tree in trainer.checkpoint().items()}
-  meta = {"step": step, "config": dataclasses.asdict(trainer.setup.config)}
-  checkpoints.save(step, args=ocp.args.Composite(meta=ocp.args.JsonSave(meta), **items))
+  items = trainer.checkpoint()
+  meta = {"step": step, "config": dataclasses.asdict(trainer.setup.config),
+          "host_kernel": sorted(items.get("host_kernel", {}))}
+  checkpoints.save(step, args=ocp.args.Composite(
+      meta=ocp.args.JsonSave(meta), **{name: ocp.args.PyTreeSave(tree)
+                                      for name, tree in items.items()}))
 
 
-def restore(checkpoints: ocp.CheckpointManager, step: int, trainer: Trainer) -> None:
-  """Loads step ``step`` into ``trainer``, each leaf in the trainer's placement."""
-  items = {name: ocp.args.StandardRestore(target)
-           for name, target in trainer.checkpoint_target().items()}
-  restored = checkpoints.restore(step, args=ocp.args.Composite(**items))
-  trainer.load({name: restored[name] for name in items})
+def read(checkpoints: ocp.CheckpointManager, step: int, setup: Setup) -> tuple[Any, Moments]:
+  """Step ``step``'s parameters and moments, read into ``setup``'s grouping, dtypes and
+  placements (``Trainer(setup, *read(...))`` continues from them)."""
+  meta = read_meta(checkpoints, step)
+  saved_groups = [range(g.start, g.stop)
+                  for g in rules.layer_groups(config_from_dict(meta["config"]))]
+  targets = Trainer.from_shapes(setup).restore_targets()
+  params, mu, nu = (reader.read_tree(checkpoints, step, name, saved_groups, targets[name])
+                    for name in STATE_ITEMS)
+  held = None
+  if meta["host_kernel"]:
+    target = {key: targets["host_kernel"][key] for key in meta["host_kernel"]}
+    held = checkpoints.restore(step, args=ocp.args.Composite(host_kernel=ocp.args.PyTreeRestore(
+        target, restore_args=ocp.checkpoint_utils.construct_restore_args(target))))["host_kernel"]
+  return params, Moments(meta["step"], mu, nu, held)
 
 
-def restore_newest(checkpoints: ocp.CheckpointManager, trainer: Trainer,
-                   log: Callable[[str], None]) -> Optional[int]:
-  """Loads the newest readable step into ``trainer``; returns it, or None when there is none.
+def restore_newest(checkpoints: ocp.CheckpointManager, setup: Setup,
+                   log: Callable[[str], None]) -> Optional[tuple[int, Trainer]]:
+  """A trainer continuing from the newest readable step, and that step; None when there is
+  none.
 
   Steps newer than it that cannot be read (a damaged file) are renamed
   ``STEP.unreadable``, never deleted, each with a warning: the run continues
   from the readable step and its own saves do not collide with them.
 
   Raises:
-    ConfigError: when there are steps and none of them can be read (nothing is renamed).
+    ConfigError: when a step holds another model or a state this setting cannot take,
+      or when there are steps and none of them can be read (nothing is renamed).
   """
   directory = os.fspath(checkpoints.directory)
   unreadable = []
   for step in sorted(checkpoints.all_steps(), reverse=True):
     try:
-      theirs = config_from_dict(read_meta(checkpoints, step)["config"])
+      meta = read_meta(checkpoints, step)
+      theirs = config_from_dict(meta["config"])
     except Exception as error:  # A damaged step: orbax's JSON, or a config no longer valid.
       unreadable.append((step, _reason(error)))
       continue
-    model, settings = resume_differences(theirs, trainer.setup.config)
+    model, settings = resume_differences(theirs, setup.config)
     if model:
       raise ConfigError(f"checkpoint step {step} in {directory} holds another model "
                         f"({'; '.join(model)}): give this run a new checkpoint.dir")
-    if settings:
+    if settings or "host_kernel" not in meta:
+      why = ("; ".join(settings) if settings else
+             "written by an earlier jaxoffload, with no placement-free moments")
       raise ConfigError(
           f"checkpoint step {step} in {directory} cannot be resumed under this run's settings "
-          f"({'; '.join(settings)}): the offload fraction and the device or host update may "
-          f"change between runs, these may not; set them as the checkpoint has, or take its "
-          f"weights alone with checkpoint.init_from={directory}")
+          f"({why}): set them as the checkpoint has, or take its weights alone with "
+          f"checkpoint.init_from={directory}")
     try:
-      restore(checkpoints, step, trainer)
+      trainer = Trainer(setup, *read(checkpoints, step, setup))
     except Exception as error:  # Whatever orbax or tensorstore raise for a damaged step.
       unreadable.append((step, _reason(error)))
       continue
@@ -100,7 +122,7 @@ def restore_newest(checkpoints: ocp.CheckpointManager, trainer: Trainer,
       os.rename(os.path.join(directory, str(bad)), aside)
       log(f"warning: checkpoint step {bad} cannot be read ({reason}); kept as {aside}")
     checkpoints.reload()
-    return step
+    return step, trainer
   if unreadable:
     step, reason = unreadable[-1]
     raise ConfigError(f"no checkpoint in {directory} can be read; the oldest, step {step}: "
@@ -110,8 +132,8 @@ def restore_newest(checkpoints: ocp.CheckpointManager, trainer: Trainer,
 
 def resume_differences(theirs: Config, ours: Config) -> tuple[list[str], list[str]]:
   """What keeps a checkpoint written under ``theirs`` from resuming under ``ours``, each as
-  ``"key: theirs -> ours"``: the model's differences, then the settings' (its layer groups,
-  which optimizer holds the state)."""
+  ``"key: theirs -> ours"``: the model's differences, then the settings' (a delayed host
+  update's held gradients, which only the same delayed update can take)."""
   changed = lambda section, keys: [
       f"{section}.{key}: {getattr(getattr(theirs, section), key)!r} -> "
       f"{getattr(getattr(ours, section), key)!r}" for key in keys
@@ -119,25 +141,21 @@ def resume_differences(theirs: Config, ours: Config) -> tuple[list[str], list[st
   model = changed("model", [f.name for f in dataclasses.fields(LlamaConfig)
                             if f.name not in ("dtype", "seq_length", "attention_implementation")])
   settings = []
-  if rules.layer_groups(theirs) != rules.layer_groups(ours):
-    settings += changed("model", [f.name for f in dataclasses.fields(ModelConfig)
-                                  if f.name.startswith(("cpu_offloading", "recompute",
-                                                        "fine_grained"))])
-  if _optimizer_kind(theirs) != _optimizer_kind(ours):
+  if _held_state(theirs) != _held_state(ours) and _held_state(theirs):
     settings += changed("optimizer", ("optimizer_cpu_offload", "optimizer_offload_update_on",
-                                      "delayed_update", "exp_avg_dtype", "exp_avg_sq_dtype"))
+                                      "delayed_update", "delayed_update_predict_weights",
+                                      "offload_transfer_dtype"))
   return model, settings
 
 
-def _optimizer_kind(config: Config) -> tuple:
-  """Which optimizer's state a run checkpoints, in which dtypes: optax's AdamW, the offloaded
-  one, or the host kernel's (with a held gradient when delayed)."""
-  o, dtypes = config.optimizer, rules.moment_dtypes(config)
-  if not o.optimizer_cpu_offload:
-    return ("offload_adamw", dtypes) if rules.compact_moments(config) else ("adamw",)
-  if o.optimizer_offload_update_on == "host_kernel":
-    return ("host_kernel", o.delayed_update)
-  return ("offload_adamw", dtypes)
+def _held_state(config: Config) -> tuple:
+  """What a delayed host update keeps beyond the moments: its held gradients, in the dtype
+  they travel in, and its predicted weights; empty without one."""
+  o = config.optimizer
+  if not (o.optimizer_cpu_offload and o.optimizer_offload_update_on == "host_kernel"
+          and o.delayed_update):
+    return ()
+  return (o.offload_transfer_dtype, o.delayed_update_predict_weights)
 
 
 def _reason(error: Exception) -> str:

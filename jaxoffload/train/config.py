@@ -297,10 +297,12 @@ class CheckpointConfig:
     dir: where orbax writes checkpoints (asynchronously); null: none.
     save_interval: steps between saves; the last step is always saved.
     keep: how many of the newest checkpoints to keep.
-    resume: continue from the newest checkpoint in dir; offloaded state is restored
-      straight into host memory, under another optimizer_offload_fraction or the
-      device or host update if asked. A step that cannot be read is renamed
-      STEP.unreadable (never deleted) and the one before it resumed.
+    resume: continue from the newest checkpoint in dir, under any offload setting of
+      the same model: another optimizer_offload_fraction or update placement,
+      activation or weights offload, moment dtypes; each leaf is read straight into
+      its new placement. A delayed host update's held gradients resume only under the
+      same delayed update. A step that cannot be read is renamed STEP.unreadable
+      (never deleted) and the one before it resumed.
     init_from: another run's checkpoint directory (its newest step) or one step in it
       to take the first weights from, with a fresh optimizer state; a checkpoint to
       resume from in dir comes first.

@@ -92,12 +92,12 @@ def _run(setup: Setup, checkpoints, tensorboard: Optional[metrics.TensorBoard], 
          reporting: bool, stop_after_step: Optional[int]) -> Run:
   """``run`` once the setup is resolved and the checkpoint directory open."""
   config = setup.config
-  resuming = (checkpoints is not None and config.checkpoint.resume
-              and checkpoints.latest_step() is not None)
-  # A resumed run's weights come from its checkpoint, not from where it started.
-  trainer = Trainer(setup, None if resuming else weights.initial(setup))
-  first = ckpt.restore_newest(checkpoints, trainer, log) if resuming else 0
-  if first:
+  resumed = (ckpt.restore_newest(checkpoints, setup, log)
+             if checkpoints is not None and config.checkpoint.resume else None)
+  if resumed is None:
+    first, trainer = 0, Trainer(setup, weights.initial(setup))
+  else:
+    first, trainer = resumed
     log(f"resumed from step {first} in {config.checkpoint.dir}")
   _announce(setup, trainer, log)
   compile_start = time.perf_counter()

@@ -11,11 +11,13 @@ gradient exists, since the factor needs the global norm.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+from optax import tree_utils as otu
 
 import jaxoffload
 from jaxoffload import remat
@@ -61,6 +63,25 @@ def host_adamw(setup: Setup, weights: list[jax.Array]) -> HostAdamW:
                    device_dtypes=setup.transfer_dtypes)
 
 
+class Moments(NamedTuple):
+  """Adam's state as a checkpoint holds it, whatever held it: what any setting resumes from.
+
+  Attributes:
+    count: updates applied.
+    mu: the first moments, a tree like the parameters. A leaf of the host kernel's
+      may be a function that reads it (``read() -> array``), so that each is read
+      only when its turn comes.
+    nu: the second moments, likewise.
+    host_kernel: the host kernel's delayed-update state (``HostAdamW.checkpoint``'s
+      count, held gradients and predicted weights); None when it holds none.
+  """
+
+  count: int
+  mu: Any
+  nu: Any
+  host_kernel: Optional[dict] = None
+
+
 class Trainer:
   """A run's parameters and optimizer state, and the jitted step that updates them.
 
@@ -76,14 +97,19 @@ class Trainer:
     >>> loss = trainer.step(setup.global_batch(0))
   """
 
-  def __init__(self, setup: Setup, params: Any = None):
+  def __init__(self, setup: Setup, params: Any = None, moments: Optional[Moments] = None):
+    """Places ``params`` (None: initialised from the seed) and ``moments`` (None: zeros)."""
     self._build(setup)
     leaves = jax.tree.leaves(_init_params(setup) if params is None else params)
     self.params = [p for p, h in zip(leaves, self._is_host) if not h]
     self.host: Optional[HostAdamW] = (
         host_adamw(setup, [p for p, h in zip(leaves, self._is_host) if h]) if setup.host_kernel
         else None)
-    self.opt_state = jax.device_put(self._opt.init(_device_shapes(setup)), self._state_shardings)
+    if moments is None:
+      self.opt_state = jax.device_put(self._opt.init(_device_shapes(setup)),
+                                      self._state_shardings)
+    else:
+      self._load_moments(moments)
 
   @classmethod
   def from_shapes(cls, setup: Setup) -> "Trainer":
@@ -104,9 +130,7 @@ class Trainer:
     trainer._host_shapes = [jax.ShapeDtypeStruct(p.shape, d, sharding=p.sharding) for p, d in
                             zip([p for p, h in zip(leaves, trainer._is_host) if h],
                                 setup.transfer_dtypes if setup.host_kernel else [])]
-    trainer.opt_state = jax.tree.map(struct, jax.eval_shape(trainer._opt.init,
-                                                            _device_shapes(setup)),
-                                     trainer._state_shardings)
+    trainer.opt_state = jax.tree.map(struct, trainer._abstract_state, trainer._state_shardings)
     return trainer
 
   def _build(self, setup: Setup) -> None:
@@ -118,8 +142,8 @@ class Trainer:
                          else (False,) * self._treedef.num_leaves)
     self._host_shapes: list[jax.ShapeDtypeStruct] = []
     self._opt = optimizer(setup)
-    self._state_shardings = _state_shardings(setup, jax.eval_shape(self._opt.init,
-                                                                   _device_shapes(setup)))
+    self._abstract_state = jax.eval_shape(self._opt.init, _device_shapes(setup))
+    self._state_shardings = _state_shardings(setup, self._abstract_state)
     shardings = jax.tree.leaves(setup.param_shardings)
     host_scalar = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec(),
                                              memory_kind="pinned_host")
@@ -157,31 +181,67 @@ class Trainer:
     return self._eval_loss(self.params, self.host_params, tokens)
 
   def checkpoint(self) -> dict:
-    """The whole state, for orbax: the full parameter tree (the host kernel's leaves as its
-    float32 weights), the optimizer state and the host kernel's own state."""
+    """The whole state as placement-free trees, for orbax: ``params`` (the host kernel's
+    leaves as its float32 weights), ``mu`` and ``nu`` like it, and ``host_kernel`` with a
+    delayed update's held gradients (see ``Moments``). Any setting of the same model resumes
+    from it (``restore_targets``)."""
+    mu, nu = (otu.tree_get(self.opt_state, name) for name in ("mu", "nu"))
     if self.host is None:
-      return {"params": self._tree(self.params, []), "opt_state": self.opt_state}
+      return {"params": self._tree(self.params, []), "mu": mu, "nu": nu}
     host = self.host.checkpoint()
-    return {"params": self._tree(self.params, host.pop("params")), "opt_state": self.opt_state,
-            "host": host}
+    items = {"params": self._tree(self.params, host.pop("params")),
+             "mu": self._tree(self._device_only(mu), host.pop("mu")),
+             "nu": self._tree(self._device_only(nu), host.pop("nu"))}
+    if self.host.delayed:
+      items["host_kernel"] = host
+    return items
 
-  def checkpoint_target(self) -> dict:
-    """What ``checkpoint`` returns, as shapes and placements: orbax's restore target."""
-    like = lambda x, sharding=None: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                         sharding=sharding or x.sharding)
-    target = {"params": jax.tree.map(like, self.setup.param_shapes, self.setup.param_shardings),
-              "opt_state": jax.tree.map(like, self.opt_state)}
-    if self.host is not None:
-      target["host"] = {k: v for k, v in self.host.checkpoint_target().items() if k != "params"}
-    return target
+  def restore_targets(self) -> dict:
+    """What ``checkpoint`` returns, as this trainer's shapes, dtypes and placements: where
+    orbax reads a checkpoint to. The host kernel's moments have no placement (``sharding``
+    None): they are read into numpy, one leaf at a time."""
+    like = lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    targets = {"params": jax.tree.map(like, self.setup.param_shapes, self.setup.param_shardings)}
+    for name in ("mu", "nu"):
+      placed = jax.tree.leaves(jax.tree.map(like, otu.tree_get(self._abstract_state, name),
+                                            otu.tree_get(self._state_shardings, name)))
+      host = [jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=None)
+              for p in self._host_leaves(self.setup.param_shapes)]
+      targets[name] = self._tree(placed, host)
+    o = self.setup.config.optimizer
+    if self.setup.host_kernel and o.delayed_update:  # As HostAdamW.checkpoint_target.
+      wire = [like(p, s).update(dtype=d) for p, s, d in zip(
+          self._host_leaves(self.setup.param_shapes), self._host_leaves(self.setup.param_shardings),
+          self.setup.transfer_dtypes)]
+      targets["host_kernel"] = {"count": np.array(0, np.int64), "held_grads": wire,
+                                "held_scale": jax.ShapeDtypeStruct((), jnp.float32),
+                                **({"device_params": wire} if o.delayed_update_predict_weights
+                                   else {})}
+    return targets
 
-  def load(self, state: dict) -> None:
-    """Continues from what ``checkpoint`` saved (restored into ``checkpoint_target``)."""
-    leaves = jax.tree.leaves(state["params"])
-    self.params = [p for p, h in zip(leaves, self._is_host) if not h]
-    self.opt_state = state["opt_state"]
+  def _load_moments(self, moments: Moments) -> None:
+    """The optimizer state from ``moments``, each leaf where this setting keeps it."""
+    read = lambda x: x() if callable(x) else x
+    mu, nu = jax.tree.leaves(moments.mu), jax.tree.leaves(moments.nu)
     if self.host is not None:
-      self.host.load({**state["host"], "params": [p for p, h in zip(leaves, self._is_host) if h]})
+      picked = lambda leaves: (read(x) for x, h in zip(leaves, self._is_host) if h)
+      self.host.load_moments({"count": moments.count, **(moments.host_kernel or {}),
+                              "mu": picked(mu), "nu": picked(nu)})
+    unflatten = lambda leaves: self._treedef.unflatten(
+        [optax.MaskedNode() if h else x for x, h in zip(leaves, self._is_host)])
+    state = otu.tree_set(self._abstract_state, mu=unflatten(mu), nu=unflatten(nu))
+    # What is left unset is the step counts, each its own buffer (the step donates them).
+    self.opt_state = jax.tree.map(
+        lambda x, s: x if isinstance(x, jax.Array) else jax.device_put(
+            np.asarray(moments.count, x.dtype), s), state, self._state_shardings)
+
+  def _device_only(self, tree: Any) -> list:
+    """The leaves of ``tree`` the device optimizer holds (not the host kernel's)."""
+    return [x for x, h in zip(self._treedef.flatten_up_to(tree), self._is_host) if not h]
+
+  def _host_leaves(self, tree: Any) -> list:
+    """The leaves of ``tree`` the host kernel holds."""
+    return [x for x, h in zip(self._treedef.flatten_up_to(tree), self._is_host) if h]
 
   def _tree(self, device_leaves, host_leaves) -> Any:
     device, host = iter(device_leaves), iter(host_leaves)

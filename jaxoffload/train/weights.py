@@ -1,9 +1,8 @@
 """A run's first weights: from a Hugging Face checkpoint, from another run, or random (None).
 
-Both sources write each leaf straight into the run's placement. Another run's
-checkpoint may have cut its layer stacks elsewhere (another
-``cpu_offloading_num_layers``): its parameters are then read onto the CPU in
-their own grouping, regrouped there, and placed leaf by leaf.
+Both sources write each leaf straight into the run's placement, one leaf at a
+time. Another run's checkpoint may have cut its layer stacks elsewhere (another
+``cpu_offloading_num_layers``): ``reader.read_tree`` joins its stacks anew.
 """
 
 from __future__ import annotations
@@ -17,9 +16,9 @@ import jax.numpy as jnp
 from jaxoffload import hf
 from jaxoffload.hf_config import CheckpointError
 from jaxoffload.model import Llama
-from jaxoffload.params import abstract_params, regroup
+from jaxoffload.params import abstract_params
 from jaxoffload.train import checkpoints as ckpt
-from jaxoffload.train import rules
+from jaxoffload.train import reader, rules
 from jaxoffload.train.config import ConfigError
 from jaxoffload.train.loading import config_from_dict
 from jaxoffload.train.resolve import Setup
@@ -67,33 +66,22 @@ def run_params(path: str) -> tuple[Any, Any]:
 
 def staging_bytes(setup: Setup) -> int:
   """Host bytes the first weights pass through on their way to their placement: the largest
-  leaf shard, and another run's whole parameter tree when it must be regrouped first."""
+  leaf shard of a Hugging Face checkpoint, or what ``reader.read_tree`` stages."""
   c = setup.config
-  if c.model.hf_checkpoint is None and c.checkpoint.init_from is None:
-    return 0  # Initialised on the devices.
-  shard = max(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
-              for x, s in zip(jax.tree.leaves(setup.param_shapes),
-                              jax.tree.leaves(setup.param_shardings)))
-  if c.model.hf_checkpoint is not None or _same_layout(setup, c.checkpoint.init_from):
-    return shard
-  return shard + 4 * sum(x.size for x in jax.tree.leaves(setup.param_shapes))  # float32 at most.
-
-
-def _same_layout(setup: Setup, path: str) -> bool:
-  """Whether the run checkpointed in ``path`` cut its layers and stored them as ``setup`` does."""
-  checkpoints, step = ckpt.locate(path)
-  theirs = config_from_dict(ckpt.read_meta(checkpoints, step)["config"])
-  return (rules.layer_groups(theirs) == setup.groups
-          and theirs.model.params_dtype == setup.model.params_dtype)
+  if c.model.hf_checkpoint is not None:
+    return max(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
+               for x, s in zip(jax.tree.leaves(setup.param_shapes),
+                               jax.tree.leaves(setup.param_shardings)))
+  if c.checkpoint.init_from is not None or c.checkpoint.dir is not None:
+    return reader.staging_bytes(setup.param_shapes)  # Resumed or started from a run.
+  return 0  # Initialised on the devices.
 
 
 def from_run(setup: Setup, path: str) -> Any:
-  """The parameters of the run checkpointed in ``path``, in ``setup``'s grouping and placement
-  (``load_config`` gave ``setup`` that run's model shape)."""
-  if _same_layout(setup, path):
-    checkpoints, step = ckpt.locate(path)
-    return ckpt.restore_params(checkpoints, step,
-                               targets(setup.param_shapes, setup.param_shardings))
-  _, params = run_params(path)
-  return jax.tree.map(lambda x, shape, sharding: jax.device_put(x.astype(shape.dtype), sharding),
-                      regroup(params, setup.groups), setup.param_shapes, setup.param_shardings)
+  """The parameters of the run checkpointed in ``path``, in ``setup``'s grouping, dtypes and
+  placements (``load_config`` gave ``setup`` that run's model shape)."""
+  checkpoints, step = ckpt.locate(path)
+  theirs = config_from_dict(ckpt.read_meta(checkpoints, step)["config"])
+  saved_groups = [range(g.start, g.stop) for g in rules.layer_groups(theirs)]
+  return reader.read_tree(checkpoints, step, "params", saved_groups,
+                          targets(setup.param_shapes, setup.param_shardings))
