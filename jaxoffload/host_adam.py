@@ -37,7 +37,8 @@ def _require_numba() -> None:
 
 @functools.cache
 def _kernel():
-  """The compiled kernel, built on first use (numba compiles it once per process)."""
+  """The compiled kernels (the AdamW step, the gradient sum), built on first use (numba
+  compiles them once per process)."""
   _require_numba()
   # numba widens integer arithmetic to 64 bits: each result is cut back to 32.
   @numba.njit(inline="always")
@@ -76,7 +77,58 @@ def _kernel():
       elif copy_kind == 2:
         copy_f32[i] = seen
 
-  return step
+  @numba.njit(parallel=True, cache=True)
+  def accumulate(total, grad, grad_bf16, grad_is_bf16, first, square_sum):
+    # A float64 sum of squares: the norm of billions of float32 elements.
+    squares = 0.0
+    for i in numba.prange(total.size):
+      g = widen(grad_bf16[i]) if grad_is_bf16 else grad[i]
+      t = g if first else total[i] + g
+      total[i] = t
+      if square_sum:
+        squares += np.float64(t) * np.float64(t)
+    return squares
+
+  return step, accumulate
+
+
+def accumulate(total: np.ndarray, grad: np.ndarray, *, first: bool = False,
+               square_sum: bool = False) -> float:
+  """Adds ``grad`` into the float32 ``total`` in place, on every core numba may use.
+
+  Args:
+    total: the running sum, float32, C-contiguous; overwritten.
+    grad: float32 or bfloat16, of ``total``'s shape.
+    first: start the sum: ``total`` becomes ``grad`` (its old values are not read).
+    square_sum: also return the sum of the squares of the new total (in float64).
+
+  Returns:
+    That sum of squares, or 0.0 without ``square_sum``.
+
+  Example:
+    >>> accumulate(total, g0, first=True); squares = accumulate(total, g1, square_sum=True)
+  """
+  for name, array, dtypes in (("total", total, (np.float32,)),
+                              ("grad", grad, (np.float32, ml_dtypes.bfloat16))):
+    _check_array(name, array, dtypes, total, "total")
+  grad_is_bf16 = grad.dtype == ml_dtypes.bfloat16
+  flat = grad.reshape(-1)
+  return float(_kernel()[1](total.reshape(-1), np.zeros(1, np.float32) if grad_is_bf16 else flat,
+                            flat.view(np.uint16) if grad_is_bf16 else np.zeros(1, np.uint16),
+                            grad_is_bf16, first, square_sum))
+
+
+def _check_array(name: str, array: np.ndarray, dtypes: tuple, like: np.ndarray, like_name: str
+                 ) -> None:
+  """Raises ValueError naming ``array`` when its dtype, layout or shape (``like``'s) is not
+  what the kernel takes."""
+  if array.dtype not in dtypes:
+    raise ValueError(f"{name} must be {' or '.join(np.dtype(d).name for d in dtypes)}, "
+                     f"got {array.dtype}")
+  if not array.flags.c_contiguous:
+    raise ValueError(f"{name} must be C-contiguous")
+  if array.shape != like.shape:
+    raise ValueError(f"{name} has shape {array.shape}, {like_name} has {like.shape}")
 
 
 def adamw_update(param: np.ndarray, grad: np.ndarray, mu: np.ndarray, nu: np.ndarray, *,
@@ -112,16 +164,8 @@ def adamw_update(param: np.ndarray, grad: np.ndarray, mu: np.ndarray, nu: np.nda
   allowed = {"grad": (np.float32, ml_dtypes.bfloat16), "copy": (np.float32, ml_dtypes.bfloat16)}
   arrays = {"param": param, "grad": grad, "mu": mu, "nu": nu, "out": out, "copy": copy}
   for name, array in arrays.items():
-    if array is None:
-      continue
-    dtypes = allowed.get(name, (np.float32,))
-    if array.dtype not in dtypes:
-      raise ValueError(f"{name} must be {' or '.join(np.dtype(d).name for d in dtypes)}, "
-                       f"got {array.dtype}")
-    if not array.flags.c_contiguous:
-      raise ValueError(f"{name} must be C-contiguous")
-    if array.shape != param.shape:
-      raise ValueError(f"{name} has shape {array.shape}, param has {param.shape}")
+    if array is not None:
+      _check_array(name, array, allowed.get(name, (np.float32,)), param, "param")
   if count < 1:
     raise ValueError(f"count must be at least 1 (the first step is 1), got {count}")
   if predict and copy is None:
@@ -132,7 +176,7 @@ def adamw_update(param: np.ndarray, grad: np.ndarray, mu: np.ndarray, nu: np.nda
   unused_bits = np.zeros(1, np.uint16)
   unused_f32 = np.zeros(1, np.float32)
   bits = lambda a: a.reshape(-1).view(np.uint16)
-  _kernel()(param.reshape(-1), out.reshape(-1),
+  _kernel()[0](param.reshape(-1), out.reshape(-1),
             unused_f32 if grad_is_bf16 else grad.reshape(-1),
             bits(grad) if grad_is_bf16 else unused_bits,
             bits(copy) if copy_kind == 1 else unused_bits,

@@ -101,24 +101,27 @@ def _gather(shards: Sequence[np.ndarray], like: jax.Array) -> jax.Array:
 
 
 def host_bytes_per_element(device_dtype: Any = jnp.float32, *, delayed: bool = False,
-                           predict_weights: bool = False) -> tuple[int, int]:
+                           predict_weights: bool = False, summed: bool = False
+                           ) -> tuple[int, int]:
   """The host bytes ``HostAdamW`` holds per element of a leaf, before it allocates them.
 
   Args:
     device_dtype, delayed, predict_weights: as ``HostAdamW``'s, for the leaf.
+    summed: whether ``accumulate`` sums micro-batches' gradients.
 
   Returns:
     ``(pinned, unpinned)``: the float32 weights and the copies the device reads,
-    and the two float32 moments.
+    and the two float32 moments (with the gradients' float32 sums when ``summed``).
 
   Example:
     >>> pinned, unpinned = host_bytes_per_element(jnp.bfloat16)  # (6, 8)
   """
   device_dtype = jnp.dtype(device_dtype)
   buffers = 2 if delayed else 1  # As _place keeps them.
+  unpinned = 8 + (4 if summed else 0)
   if device_dtype == jnp.bfloat16 or predict_weights:
-    return 4 + buffers * device_dtype.itemsize, 8
-  return 4 * buffers, 8
+    return 4 + buffers * device_dtype.itemsize, unpinned
+  return 4 * buffers, unpinned
 
 
 class HostAdamW:
@@ -177,6 +180,9 @@ class HostAdamW:
     self._mu = [[np.zeros_like(v) for v in views[0]] for views in self._weight_views]
     self._nu = [[np.zeros_like(v) for v in views[0]] for views in self._weight_views]
     self._held: Optional[tuple[Sequence[jax.Array], jax.Array]] = None
+    # Per leaf and shard, the float32 sums of accumulate(); _summed: they hold this step's.
+    self._sums: Optional[list[list[np.ndarray]]] = None
+    self._summed = False
     self.count = 0  # Updates applied.
 
   def _place(self, weights: Sequence[jax.Array]) -> None:
@@ -214,6 +220,11 @@ class HostAdamW:
     return sum(m.nbytes for moments in (self._mu, self._nu) for leaf in moments for m in leaf)
 
   @property
+  def unpinned_bytes(self) -> int:
+    """Host memory only the host reads: the moments, and the gradient sums once allocated."""
+    return self.moment_bytes + sum(t.nbytes for leaf in self._sums or [] for t in leaf)
+
+  @property
   def weight_bytes(self) -> int:
     """Host memory of one set of the float32 weights: what the device no longer holds."""
     return sum(w.nbytes for w in self.weights)
@@ -240,8 +251,16 @@ class HostAdamW:
 
     Call it right after dispatching the device step that produced ``grads``:
     it waits for what it applies. ``grad_scale`` multiplies the gradients
-    first (global-norm clipping's factor, computed on the device).
+    first (global-norm clipping's factor, computed on the device). After
+    ``accumulate``, it applies the sums instead: pass ``grads=()``, and a
+    ``grad_scale`` that also divides by the number of micro-batches.
     """
+    if self._summed:
+      if grads:
+        raise ValueError("update after accumulate applies the sums: pass no gradients")
+      self._summed = False
+      self._apply(self._sums, grad_scale, into=self._current)
+      return
     if not self.delayed or (self._held is None and self.count < self.delay_after):
       # Exact: the step that read the current weights has finished (its
       # gradients are waited for), and the next is not yet dispatched.
@@ -252,6 +271,41 @@ class HostAdamW:
       # The other buffer was last read by the step before the one just
       # dispatched, which finished before its gradients (waited for in _apply).
       self._apply(*held, into=1 - self._current, predict=self.predict_weights)
+
+  def accumulate(self, grads: Sequence[jax.Array], *, square_sum: bool = False) -> float:
+    """Adds one micro-batch's ``grads`` (one per leaf, in host memory) into float32 sums that
+    the next ``update()`` applies: gradient accumulation that keeps no sum on the device.
+
+    Call it right after dispatching the next device program, so that the host
+    adds while the device computes; it waits for ``grads``.
+
+    Args:
+      grads: one per leaf, float32 or in the leaf's device dtype.
+      square_sum: also return the sum of the squares of the new sums over this
+        process's shards (each element once, replicas skipped): their share of
+        the squared global norm, for clipping.
+
+    Returns:
+      That sum of squares (float64), or 0.0 without ``square_sum``.
+
+    Raises:
+      ValueError: with ``delayed``, whose held gradients the next sums would overwrite.
+    """
+    if self.delayed:
+      raise ValueError("accumulate keeps one step's sums; a delayed update would hold them "
+                       "while the next step overwrites them: use delayed=False")
+    jax.block_until_ready(grads)
+    if self._sums is None:  # Pages are taken as the first sums fill them.
+      self._sums = [[np.empty(v.shape, np.float32) for v in views[0]]
+                    for views in self._weight_views]
+    squares = 0.0
+    for sums, grad in zip(self._sums, grads):
+      first_replicas = [shard.replica_id == 0 for shard in _sorted_shards(grad)]
+      for total, view, counted in zip(sums, _shard_views(grad), first_replicas):
+        squares += host_adam.accumulate(total, view, first=not self._summed,
+                                        square_sum=square_sum and counted)
+    self._summed = True
+    return squares
 
   def finish(self) -> None:
     """Applies the held gradients, if any, so that ``params`` has every update."""
@@ -351,7 +405,9 @@ class HostAdamW:
     for leaf, grad in enumerate(grads):
       weights, copies = self._weight_views[leaf], self._copy_views[leaf]
       source, target = weights[self._current % len(weights)], weights[into % len(weights)]
-      for shard, grad_view in enumerate(_shard_views(grad)):
+      # A leaf's gradient: an array in host memory, or a sum's shards.
+      views = grad if isinstance(grad, list) else _shard_views(grad)
+      for shard, grad_view in enumerate(views):
         host_adam.adamw_update(source[shard], grad_view, self._mu[leaf][shard],
                                self._nu[leaf][shard], learning_rate=learning_rate,
                                count=self.count, grad_scale=scale, out=target[shard],

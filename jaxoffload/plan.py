@@ -30,7 +30,7 @@ from typing import Optional
 import jax
 
 from jaxoffload import autoplace
-from jaxoffload.memory import compiled_device_bytes, host_rss_bytes, parse_bytes
+from jaxoffload.memory import host_rss_bytes, parse_bytes
 from jaxoffload.train import host_memory, load_config, resolve, rules, Trainer
 from jaxoffload.train.config import Config, ConfigError
 from jaxoffload.train.resolve import host_kernel_allowed, price_updates
@@ -78,14 +78,14 @@ def judge(config: Config, fraction: float, update_on: str,
   rules.check(candidate)
   setup = resolve(candidate)
   tokens = setup.global_batch(0)
-  analysis = Trainer.from_shapes(setup).compile(jax.ShapeDtypeStruct(
-      tokens.shape, tokens.dtype, sharding=tokens.sharding)).memory_analysis()
+  compiled = Trainer.from_shapes(setup).compile(jax.ShapeDtypeStruct(
+      tokens.shape, tokens.dtype, sharding=tokens.sharding))
   host = (host_rss_bytes() or 0) + host_memory.needed(setup).total
   added = 0.0 if setup.offload is None else price_updates(
       setup.config, setup.offload, machine, host_kernel=update_on == "host_kernel"
   ).predicted_s[update_on]
   return Candidate(fraction, update_on, setup.offload.fraction if setup.offload else 0.0,
-                   compiled_device_bytes(analysis), host, added)
+                   compiled.device_bytes, host, added)
 
 
 def plan(config: Config, *, device_budget: Optional[int], host_budget: int,

@@ -155,3 +155,17 @@ def test_a_predicting_copy_holds_the_weights_one_more_update_ahead(problem):
   assert np.abs(predicted - new).max() > 1e-3
   with pytest.raises(ValueError, match="predict=True writes the predicted parameters into copy"):
     host_adam.adamw_update(new, grads[0], *moments, learning_rate=1e-2, count=2, predict=True)
+
+
+def test_gradients_sum_in_float32_and_their_squares_in_float64(problem):
+  _, grads = problem
+  total = np.full_like(grads[0], np.nan)  # Not read by the first sum.
+  host_adam.accumulate(total, grads[0], first=True)
+  halved = grads[1].astype(ml_dtypes.bfloat16)
+  squares = host_adam.accumulate(total, halved, square_sum=True)
+  want = grads[0] + halved.astype(np.float32)
+  np.testing.assert_array_equal(total, want)
+  assert squares == pytest.approx(float(np.sum(want.astype(np.float64) ** 2)), rel=1e-12)
+  assert host_adam.accumulate(total, grads[2]) == 0.0
+  with pytest.raises(ValueError, match=r"grad has shape \(64, 4\), total has \(64, 33\)"):
+    host_adam.accumulate(total, grads[0][:, :4].copy())

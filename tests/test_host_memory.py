@@ -50,18 +50,27 @@ def test_the_arithmetic_counts_every_shard_the_trainer_places_in_host_memory():
 
 
 @pytest.mark.slow
-def test_the_host_kernel_arithmetic_is_what_it_allocates():
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_the_host_kernel_arithmetic_is_what_it_allocates(micro_batches):
   setup = resolve(load_config(None, [
       "optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5",
       "optimizer.optimizer_offload_update_on=host_kernel", "model.dtype=bfloat16",
-      "optimizer.offload_transfer_dtype=bfloat16"]))
+      "optimizer.offload_transfer_dtype=bfloat16", f"train.micro_batch_size={8 // micro_batches}"]))
   trainer = Trainer(setup)
-  _, _, _, _, host_grads, _ = trainer._step(trainer.params, trainer.host_params, trainer.opt_state,
-                                            setup.global_batch(0))
+  trainer.step(setup.global_batch(0))
+  tokens = setup.global_batch(1)
+  if micro_batches == 1:
+    host_grads = trainer._step(trainer.params, trainer.host_params, trainer.opt_state, tokens)[4]
+  else:
+    host_grads = trainer._micro_step(trainer.params, trainer.host_params, trainer._zero_sums(),
+                                     tokens, 0)[1]
   need = needed(setup)
-  assert need.held["host kernel moments"] == trainer.host.moment_bytes
+  # The moments, and the sums of the micro-batches' gradients.
+  assert need.held["host kernel moments"] == trainer.host.unpinned_bytes
+  assert trainer.host.unpinned_bytes == (1 + (micro_batches > 1) / 2) * trainer.host.moment_bytes
+  # The weights, their copies, and one step's gradients, or two micro-batches' in flight.
   assert need.held["host kernel weights and copies"] == (
-      trainer.host.pinned_bytes + sum(g.nbytes for g in host_grads))
+      trainer.host.pinned_bytes + micro_batches * sum(g.nbytes for g in host_grads))
   assert need.held["optimizer state"] == 0
 
 

@@ -222,3 +222,37 @@ def test_learning_rates_round_as_in_the_device_step():
   in_step = jax.jit(sched)
   for count in range(0, 2500, 7):  # Warm-up, decay, and three tables.
     assert host._learning_rate(count) == float(in_step(jnp.int32(count))), count
+
+
+@pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (the CPU backend has 8 in CI)")
+def test_summed_micro_batches_update_as_their_sum_does():
+  weights, batches = problem()
+  mesh = jax.make_mesh((4,), ("x",), devices=jax.devices()[:4])
+  shardings = [jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x", None),
+                                          memory_kind="pinned_host"),
+               jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(),
+                                          memory_kind="pinned_host")]
+  make = lambda: HostAdamW([jax.device_put(np.array(w), s) for w, s in zip(weights, shardings)],
+                           learning_rate=schedule, **HYPER)
+  summed, whole = make(), make()
+  for step in range(2):
+    micro = [device_step(summed.params, batch)[0] for batch in batches[2 * step:2 * step + 2]]
+    summed.accumulate(micro[0])
+    squares = summed.accumulate(micro[1], square_sum=True)
+    total = [np.asarray(a) + np.asarray(b) for a, b in zip(*micro)]
+    # Each element once: the replicated leaf's four copies count as one.
+    assert squares == pytest.approx(sum(np.sum(t.astype(np.float64) ** 2) for t in total),
+                                    rel=1e-12)
+    total = [jax.device_put(t, s) for t, s in zip(total, shardings)]
+    summed.update((), 0.5)
+    whole.update(total, 0.5)
+  assert max_rel_diff(summed.snapshot(), whole.snapshot()) == 0.0
+  with pytest.raises(ValueError, match="update after accumulate applies the sums"):
+    summed.accumulate(micro[0])
+    summed.update(micro[0])
+
+
+def test_a_delayed_update_refuses_to_sum():
+  host = HostAdamW([to_host(jnp.zeros(4))], learning_rate=1e-3, delayed=True)
+  with pytest.raises(ValueError, match="accumulate keeps one step's sums; a delayed update"):
+    host.accumulate([to_host(jnp.zeros(4))])

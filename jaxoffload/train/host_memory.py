@@ -57,7 +57,8 @@ KEYS = {
                        "optimizer.exp_avg_sq_dtype=bfloat16",
     "host kernel weights and copies": "optimizer.optimizer_offload_fraction, "
                                       "optimizer.optimizer_offload_update_on=device",
-    "host kernel moments": "optimizer.optimizer_offload_fraction",
+    "host kernel moments": "optimizer.optimizer_offload_fraction, train.micro_batch_size (its "
+                           "gradient sums)",
     "offloaded weights": "model.cpu_offloading_num_layers, model.cpu_offloading_weights",
     "offloaded activations": "model.cpu_offloading_num_layers, train.micro_batch_size",
 }
@@ -83,14 +84,17 @@ def needed(setup: Setup) -> HostBytes:
   held = dict.fromkeys(KEYS, 0)
   transfer = iter(setup.transfer_dtypes if setup.host_kernel else ())
   moment_bytes = sum(jnp.dtype(d).itemsize for d in rules.moment_dtypes(setup.config))
+  summed = setup.micro_batches > 1
   for shape, sharding, off, fetch in zip(shapes, shardings, offloaded, fetched):
     elements = local_elements(shape.shape, sharding)
     if off and setup.host_kernel:
       wire = next(transfer)
       pinned, unpinned = host_bytes_per_element(wire, delayed=o.delayed_update,
-                                                predict_weights=o.delayed_update_predict_weights)
-      # Each step's gradients arrive in pinned memory; a delayed update holds one more.
-      grads = (2 if o.delayed_update else 1) * wire.itemsize
+                                                predict_weights=o.delayed_update_predict_weights,
+                                                summed=summed)
+      # Each step's gradients arrive in pinned memory; a delayed update holds one more, and
+      # so do micro-batches summed on the host (the next arrive while the last are added).
+      grads = (2 if o.delayed_update or summed else 1) * wire.itemsize
       held["host kernel weights and copies"] += elements * (pinned + grads)
       held["host kernel moments"] += elements * unpinned
       continue

@@ -12,7 +12,7 @@ from typing import Callable, Optional
 import jax
 
 import jaxoffload
-from jaxoffload.memory import compiled_device_bytes, host_rss_bytes
+from jaxoffload.memory import host_rss_bytes
 from jaxoffload.train import checkpoints as ckpt
 from jaxoffload.train import host_memory, launch, metrics, rules, weights
 from jaxoffload.train.config import Config
@@ -101,10 +101,10 @@ def _run(setup: Setup, checkpoints, tensorboard: Optional[metrics.TensorBoard], 
     log(f"resumed from step {first} in {config.checkpoint.dir}")
   _announce(setup, trainer, log)
   compile_start = time.perf_counter()
-  analysis = trainer.compile(setup.global_batch(first)).memory_analysis()
+  compiled = trainer.compile(setup.global_batch(first))
   compile_s = time.perf_counter() - compile_start
   log(f"compiled the step in {compile_s:.1f} s")
-  host_temp = getattr(analysis, "host_temp_size_in_bytes", 0) or 0
+  host_temp = compiled.host_temp_bytes
   pinned, offloaded_state = _host_bytes(trainer)
   last = (config.train.train_iters if stop_after_step is None
           else min(stop_after_step, config.train.train_iters))
@@ -116,8 +116,7 @@ def _run(setup: Setup, checkpoints, tensorboard: Optional[metrics.TensorBoard], 
   if trainer.host is not None:
     trainer.host.finish()
   log(meter.summary())
-  return Run(setup, meter.records, compile_s, compiled_device_bytes(analysis), host_temp,
-             offloaded_state)
+  return Run(setup, meter.records, compile_s, compiled.device_bytes, host_temp, offloaded_state)
 
 
 def _train(setup: Setup, trainer: Trainer, checkpoints, meter: metrics.Monitor, steps: range,

@@ -204,6 +204,14 @@ def _check_host_kernel(config: Config) -> None:
   if o.delayed_update and o.optimizer_offload_update_on != "host_kernel":
     raise ConfigError("optimizer.delayed_update=True needs optimizer.optimizer_offload_update_on="
                       f"host_kernel, got {o.optimizer_offload_update_on!r}")
+  t = config.train
+  if o.delayed_update and t.micro_batch_size < t.global_batch_size:
+    raise ConfigError(
+        f"optimizer.delayed_update=True with gradient accumulation (train.micro_batch_size="
+        f"{t.micro_batch_size} < train.global_batch_size={t.global_batch_size}): the host kernel "
+        f"sums a step's micro-batches in host memory, and a delayed update would still hold "
+        f"them while the next step overwrites them; set train.micro_batch_size="
+        f"{t.global_batch_size} or optimizer.delayed_update=False")
   if o.delayed_update_after < 0:
     raise ConfigError(f"optimizer.delayed_update_after must be >= 0, got {o.delayed_update_after}")
   if o.delayed_update_after and not o.delayed_update:

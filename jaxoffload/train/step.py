@@ -1,85 +1,56 @@
-"""The train step of a ``Setup``: placed parameters, optimizer state, and one jitted update.
+"""A run's trainer: placed parameters and optimizer state, and the jitted programs of a step.
 
-One optimizer for every setting: ``optax.chain(optax.clip_by_global_norm,
-X)`` where X is ``optax.adamw``, ``jaxoffload.offload_adamw`` (the plan's
-leaves' moments in host memory), or, with the host kernel, ``optax.adamw``
-masked to the device leaves. The host kernel's leaves send their raw
-gradients to host memory as the backward pass makes them, and the clipping
-factor after them: clipped on the device, they could leave only once every
-gradient exists, since the factor needs the global norm.
+A step is one program: the model's gradients over the micro-batches (summed on
+the device), global-norm clipping and the update. With the host kernel its
+leaves send their raw gradients to host memory as the backward pass makes
+them, and the clipping factor after them: clipped on the device, they could
+leave only once every gradient exists, since the factor needs the global norm.
+
+With the host kernel and several micro-batches, a step is one program per
+micro-batch, then one for the update: the host kernel's leaves' gradients of
+each micro-batch go to host memory, where ``HostAdamW.accumulate`` sums them
+while the device computes the next, so that the device holds no sum of
+theirs; the update clips with the global norm that both sums make.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 from optax import tree_utils as otu
 
-import jaxoffload
 from jaxoffload import remat
 from jaxoffload._compat import DEVICE_KIND, PINNED_HOST, to_device, to_host
 from jaxoffload.host_offload import HostAdamW
+from jaxoffload.memory import compiled_device_bytes
 from jaxoffload.model import Llama, next_token_loss
 from jaxoffload.params import init_params
-from jaxoffload.placement import leaf_path
-from jaxoffload.train import rules
+from jaxoffload.train.grads import loss_and_grads, mean_loss_and_grads, micro_batch
+from jaxoffload.train.optimizer import (Moments, device_shapes, host_adamw, optimizer,
+                                        state_shardings)
 from jaxoffload.train.resolve import Setup
 
 
-def optimizer(setup: Setup) -> optax.GradientTransformation:
-  """Clipped AdamW on the schedule; its state partly in host memory with optimizer offload."""
-  o = setup.config.optimizer
-  hyper = dict(b1=o.adam_beta1, b2=o.adam_beta2, eps=o.adam_eps, weight_decay=o.weight_decay)
-  compact = rules.compact_moments(setup.config)
-  mu_dtype, nu_dtype = rules.moment_dtypes(setup.config)
-  if setup.host_kernel:
-    on_device = jax.tree.map(lambda offloaded: not offloaded, setup.offload.mask)
-    adamw = optax.masked(optax.adamw(setup.schedule, **hyper), on_device)
-  elif setup.offload is not None or compact:
-    # With no offload, an empty mask: offload_adamw is optax.adamw with moment dtypes.
-    mask = setup.offload.mask if setup.offload is not None else jax.tree.map(
-        lambda _: False, setup.param_shapes)
-    adamw = jaxoffload.offload_adamw(
-        setup.schedule, **hyper, offload_mask=mask,
-        update_on=o.optimizer_offload_update_on if setup.offload is not None else "device",
-        overlap_transfers=o.overlap_cpu_optimizer_d2h_h2d, mu_dtype=mu_dtype, nu_dtype=nu_dtype,
-        stochastic_rounding=compact)
-  else:
-    adamw = optax.adamw(setup.schedule, **hyper)
-  return optax.chain(optax.clip_by_global_norm(o.clip_grad), adamw)
-
-
-def host_adamw(setup: Setup, weights: list[jax.Array]) -> HostAdamW:
-  """The host kernel's optimizer for the offloaded leaves' float32 ``weights``."""
-  o = setup.config.optimizer
-  return HostAdamW(weights, learning_rate=setup.schedule, b1=o.adam_beta1, b2=o.adam_beta2,
-                   eps=o.adam_eps, weight_decay=o.weight_decay, delayed=o.delayed_update,
-                   delay_after=o.delayed_update_after,
-                   predict_weights=o.delayed_update_predict_weights,
-                   device_dtypes=setup.transfer_dtypes)
-
-
-class Moments(NamedTuple):
-  """Adam's state as a checkpoint holds it, whatever held it: what any setting resumes from.
+class CompiledStep(NamedTuple):
+  """A step's compiled programs and the device memory they need.
 
   Attributes:
-    count: updates applied.
-    mu: the first moments, a tree like the parameters. A leaf of the host kernel's
-      may be a function that reads it (``read() -> array``), so that each is read
-      only when its turn comes.
-    nu: the second moments, likewise.
-    host_kernel: the host kernel's delayed-update state (``HostAdamW.checkpoint``'s
-      count, held gradients and predicted weights); None when it holds none.
+    programs: the step; or, summing on the host, the micro-batch's and the update's.
+    device_bytes: XLA's device peak of the step: the largest program's arguments,
+      outputs and temporaries (aliased donations once), with the state that stays
+      in device memory beside it.
+    host_temp_bytes: the largest program's host temporaries.
   """
 
-  count: int
-  mu: Any
-  nu: Any
-  host_kernel: Optional[dict] = None
+  programs: tuple[jax.stages.Compiled, ...]
+  device_bytes: int
+  host_temp_bytes: int
 
 
 class Trainer:
@@ -106,7 +77,7 @@ class Trainer:
         host_adamw(setup, [p for p, h in zip(leaves, self._is_host) if h]) if setup.host_kernel
         else None)
     if moments is None:
-      self.opt_state = jax.device_put(self._opt.init(_device_shapes(setup)),
+      self.opt_state = jax.device_put(self._opt.init(device_shapes(setup)),
                                       self._state_shardings)
     else:
       self._load_moments(moments)
@@ -114,10 +85,10 @@ class Trainer:
   @classmethod
   def from_shapes(cls, setup: Setup) -> "Trainer":
     """A trainer whose parameters and state are shapes and placements, nothing allocated: it
-    compiles (``compile``, and XLA's memory analysis of the step) but does not step.
+    compiles (``compile``, with XLA's memory analysis of the step) but does not step.
 
     Example:
-      >>> analysis = Trainer.from_shapes(setup).compile(tokens).memory_analysis()
+      >>> device_bytes = Trainer.from_shapes(setup).compile(tokens).device_bytes
     """
     trainer = cls.__new__(cls)
     trainer._build(setup)
@@ -128,52 +99,90 @@ class Trainer:
     trainer.host = None
     # What HostAdamW.params would be: each leaf in the dtype the device reads it in.
     trainer._host_shapes = [jax.ShapeDtypeStruct(p.shape, d, sharding=p.sharding) for p, d in
-                            zip([p for p, h in zip(leaves, trainer._is_host) if h],
+                            zip(trainer._host_leaves(leaves),
                                 setup.transfer_dtypes if setup.host_kernel else [])]
     trainer.opt_state = jax.tree.map(struct, trainer._abstract_state, trainer._state_shardings)
     return trainer
 
   def _build(self, setup: Setup) -> None:
     """What the step is, from ``setup`` alone: the optimizer, where every leaf of the step's
-    arguments lives, and the jitted step."""
+    arguments lives, and the jitted programs."""
     self.setup = setup
     self._treedef = jax.tree.structure(setup.param_shapes)
     self._is_host = list(setup.offload.offloaded if setup.host_kernel
                          else (False,) * self._treedef.num_leaves)
     self._host_shapes: list[jax.ShapeDtypeStruct] = []
     self._opt = optimizer(setup)
-    self._abstract_state = jax.eval_shape(self._opt.init, _device_shapes(setup))
-    self._state_shardings = _state_shardings(setup, self._abstract_state)
+    self._abstract_state = jax.eval_shape(self._opt.init, device_shapes(setup))
+    self._state_shardings = state_shardings(setup, self._abstract_state)
     shardings = jax.tree.leaves(setup.param_shardings)
-    host_scalar = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec(),
-                                             memory_kind="pinned_host")
-    out_shardings = ([s for s, h in zip(shardings, self._is_host) if not h],
-                     self._state_shardings, None, None,
-                     [s for s, h in zip(shardings, self._is_host) if h],
-                     host_scalar if setup.host_kernel else None)
-    self._step = jax.jit(self._train_step, donate_argnums=(0, 2), out_shardings=out_shardings)
+    replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
+    host_scalar = replicated.with_memory_kind(PINNED_HOST) if setup.host_kernel else None
+    device_leaves, host_leaves = self._device_only(shardings), self._host_leaves(shardings)
+    self._step = jax.jit(self._train_step, donate_argnums=(0, 2), out_shardings=(
+        device_leaves, self._state_shardings, None, None, host_leaves, host_scalar))
+    self.sums_on_host = setup.host_kernel and setup.micro_batches > 1
+    if self.sums_on_host:
+      sums = (replicated, [s.with_memory_kind(DEVICE_KIND) for s in device_leaves])
+      self._zero_sums = jax.jit(self._zeros, out_shardings=sums)
+      self._micro_step = jax.jit(self._micro_grads, donate_argnums=(2,),
+                                 out_shardings=(sums, host_leaves))
+      self._update_step = jax.jit(self._apply_sums, donate_argnums=(0, 1), out_shardings=(
+          device_leaves, self._state_shardings, None, None, host_scalar))
     self._eval_loss = jax.jit(self._loss)
-    self._compiled = None
+    self._compiled: tuple[jax.stages.Compiled, ...] = ()
 
   @property
   def host_params(self) -> list[jax.Array]:
     """What the step reads of the host kernel's leaves (none without it)."""
     return self._host_shapes if self.host is None else self.host.params
 
-  def compile(self, tokens: jax.Array) -> jax.stages.Compiled:
-    """Compiles the step for batches like ``tokens``; later steps run this program."""
-    self._compiled = self._step.lower(self.params, self.host_params, self.opt_state,
-                                      tokens).compile()
-    return self._compiled
+  def compile(self, tokens: jax.Array) -> CompiledStep:
+    """Compiles the step for batches like ``tokens``; later steps run these programs."""
+    if not self.sums_on_host:
+      self._compiled = (self._step.lower(self.params, self.host_params, self.opt_state,
+                                         tokens).compile(),)
+      analysis = self._compiled[0].memory_analysis()
+      return CompiledStep(self._compiled, compiled_device_bytes(analysis),
+                          analysis.host_temp_size_in_bytes)
+    sums = jax.eval_shape(self._zero_sums)
+    self._compiled = (
+        self._micro_step.lower(self.params, self.host_params, sums, tokens, 0).compile(),
+        self._update_step.lower(self.params, self.opt_state, sums, 0.0).compile())
+    micro, update = (program.memory_analysis() for program in self._compiled)
+    # The optimizer state stays in device memory while the micro-batches run.
+    resident = _device_bytes(self.opt_state)
+    return CompiledStep(self._compiled, max(compiled_device_bytes(micro) + resident,
+                                            compiled_device_bytes(update)),
+                        max(micro.host_temp_size_in_bytes, update.host_temp_size_in_bytes))
 
   def step(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
     """One update from ``tokens``; returns the loss (before the update) and the gradients'
     global norm (before clipping)."""
-    step = self._compiled or self._step
+    if self.sums_on_host:
+      return self._step_summing_on_host(tokens)
+    step = self._compiled[0] if self._compiled else self._step
     self.params, self.opt_state, loss, grad_norm, host_grads, clip_factor = step(
         self.params, self.host_params, self.opt_state, tokens)
     if self.host is not None:
       self.host.update(host_grads, clip_factor)
+    return loss, grad_norm
+
+  def _step_summing_on_host(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``step`` a micro-batch at a time, the host summing its leaves' gradients."""
+    micro_step, update_step = self._compiled or (self._micro_step, self._update_step)
+    sums, pending = self._zero_sums(), None
+    for index in range(self.setup.micro_batches):
+      sums, host_grads = micro_step(self.params, self.host_params, sums, tokens, index)
+      if pending is not None:  # The previous micro-batch's, while the device computes this one.
+        self.host.accumulate(pending)
+      pending = host_grads
+    squares = self.host.accumulate(pending, square_sum=True)
+    if jax.process_count() > 1:  # Each process summed its own shards.
+      squares = float(np.sum(multihost_utils.process_allgather(np.float64(squares))))
+    self.params, self.opt_state, loss, grad_norm, host_scale = update_step(
+        self.params, self.opt_state, sums, squares)
+    self.host.update((), host_scale)
     return loss, grad_norm
 
   def evaluate(self, tokens: jax.Array) -> jax.Array:
@@ -189,9 +198,11 @@ class Trainer:
     if self.host is None:
       return {"params": self._tree(self.params, []), "mu": mu, "nu": nu}
     host = self.host.checkpoint()
+    # The device optimizer's moments of the host kernel's leaves are MaskedNodes.
+    device = lambda tree: self._device_only(self._treedef.flatten_up_to(tree))
     items = {"params": self._tree(self.params, host.pop("params")),
-             "mu": self._tree(self._device_only(mu), host.pop("mu")),
-             "nu": self._tree(self._device_only(nu), host.pop("nu"))}
+             "mu": self._tree(device(mu), host.pop("mu")),
+             "nu": self._tree(device(nu), host.pop("nu"))}
     if self.host.delayed:
       items["host_kernel"] = host
     return items
@@ -206,12 +217,13 @@ class Trainer:
       placed = jax.tree.leaves(jax.tree.map(like, otu.tree_get(self._abstract_state, name),
                                             otu.tree_get(self._state_shardings, name)))
       host = [jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=None)
-              for p in self._host_leaves(self.setup.param_shapes)]
+              for p in self._host_leaves(jax.tree.leaves(self.setup.param_shapes))]
       targets[name] = self._tree(placed, host)
     o = self.setup.config.optimizer
     if self.setup.host_kernel and o.delayed_update:  # As HostAdamW.checkpoint_target.
       wire = [like(p, s).update(dtype=d) for p, s, d in zip(
-          self._host_leaves(self.setup.param_shapes), self._host_leaves(self.setup.param_shardings),
+          self._host_leaves(jax.tree.leaves(self.setup.param_shapes)),
+          self._host_leaves(jax.tree.leaves(self.setup.param_shardings)),
           self.setup.transfer_dtypes)]
       targets["host_kernel"] = {"count": np.array(0, np.int64), "held_grads": wire,
                                 "held_scale": jax.ShapeDtypeStruct((), jnp.float32),
@@ -235,13 +247,13 @@ class Trainer:
         lambda x, s: x if isinstance(x, jax.Array) else jax.device_put(
             np.asarray(moments.count, x.dtype), s), state, self._state_shardings)
 
-  def _device_only(self, tree: Any) -> list:
-    """The leaves of ``tree`` the device optimizer holds (not the host kernel's)."""
-    return [x for x, h in zip(self._treedef.flatten_up_to(tree), self._is_host) if not h]
+  def _device_only(self, leaves: list) -> list:
+    """Of one entry per parameter leaf, those the device optimizer holds."""
+    return [x for x, h in zip(leaves, self._is_host) if not h]
 
-  def _host_leaves(self, tree: Any) -> list:
-    """The leaves of ``tree`` the host kernel holds."""
-    return [x for x, h in zip(self._treedef.flatten_up_to(tree), self._is_host) if h]
+  def _host_leaves(self, leaves: list) -> list:
+    """Of one entry per parameter leaf, those the host kernel holds."""
+    return [x for x, h in zip(leaves, self._is_host) if h]
 
   def _tree(self, device_leaves, host_leaves) -> Any:
     device, host = iter(device_leaves), iter(host_leaves)
@@ -263,16 +275,60 @@ class Trainer:
   def _train_step(self, device_leaves, host_leaves, opt_state, tokens):
     setup = self.setup
     params = self._model_params(device_leaves, host_leaves)
-    loss, grads = _loss_and_grads(setup, params, tokens)
-    host_grads, clip_factor = [], None
+    loss, grads = mean_loss_and_grads(setup.llama, params, tokens, setup.micro_batches)
+    host_grads = []
     if setup.host_kernel:
-      raw = [g for g, h in zip(jax.tree.leaves(grads), self._is_host) if h]
-      host_grads = [to_host(g.astype(d)) for g, d in zip(raw, setup.transfer_dtypes)]
+      host_grads = [to_host(g.astype(d))
+                    for g, d in zip(self._host_leaves(jax.tree.leaves(grads)),
+                                    setup.transfer_dtypes)]
       # The norm in float32, as the host keeps these leaves.
       grads = jax.tree.map(lambda g, host: g.astype(jnp.float32) if host else g, grads,
                            setup.offload.mask)
-    # The same norm as optax.clip_by_global_norm's in the optimizer below.
+    new_leaves, opt_state, grad_norm, clip_factor = self._update(params, grads, opt_state)
+    return new_leaves, opt_state, loss, grad_norm, host_grads, clip_factor
+
+  def _zeros(self):
+    """The sums a step starts from: the loss's, and the device leaves' gradients' (float32)."""
+    return jnp.zeros(()), [jnp.zeros(p.shape, jnp.float32)
+                           for p in self._device_only(jax.tree.leaves(self.setup.param_shapes))]
+
+  def _micro_grads(self, device_leaves, host_leaves, sums, tokens, index):
+    """Micro-batch ``index``'s loss and device gradients added into ``sums``, and the host
+    kernel's leaves' gradients sent to host memory, in the dtypes they travel in."""
+    setup = self.setup
+    params = self._model_params(device_leaves, host_leaves)
+    loss, grads = loss_and_grads(setup.llama, params,
+                                 micro_batch(tokens, setup.micro_batches, index))
+    leaves = jax.tree.leaves(grads)
+    loss_sum, totals = sums
+    totals = [t + g.astype(jnp.float32) for t, g in zip(totals, self._device_only(leaves))]
+    return (loss_sum + loss, totals), [
+        to_host(g.astype(d)) for g, d in zip(self._host_leaves(leaves), setup.transfer_dtypes)]
+
+  def _apply_sums(self, device_leaves, opt_state, sums, host_squares):
+    """The update from the micro-batches' sums: their mean, clipped by the global norm, to
+    which the host kernel's leaves add ``host_squares`` (their sums' squares, summed)."""
+    setup = self.setup
+    count = setup.micro_batches
+    loss_sum, totals = sums
+    device = iter([t / count for t in totals])
+    # The host kernel's leaves stand in as one number whose square is their share of the
+    # squared norm, and zeros: the clipping reads them, the masked AdamW never does.
+    stand_ins = iter([jnp.sqrt(host_squares) / count] + [jnp.zeros(())] * len(self._is_host))
+    grads = self._treedef.unflatten([next(stand_ins) if h else next(device)
+                                     for h in self._is_host])
+    params = self._tree(device_leaves, [jnp.zeros(())] * sum(self._is_host))
+    new_leaves, opt_state, grad_norm, clip_factor = self._update(params, grads, opt_state)
+    # The host applies the sums themselves: the mean's division goes with the clipping.
+    return new_leaves, opt_state, loss_sum / count, grad_norm, clip_factor / count
+
+  def _update(self, params, grads, opt_state):
+    """Clipping and the device optimizer's update: the new device leaves, the state, the
+    global norm (before clipping) and, with the host kernel, its clipping factor."""
+    setup = self.setup
+    # The same norm as optax.clip_by_global_norm's in the optimizer.
     grad_norm = optax.tree.norm(grads)
+    clip_factor = None
     if setup.host_kernel:
       # What clip_by_global_norm multiplies the device leaves' gradients by.
       max_norm = setup.config.optimizer.clip_grad
@@ -282,36 +338,7 @@ class Trainer:
     new_params = optax.apply_updates(device_params, updates)
     new_params = jax.tree.map(lambda p, fetched: to_host(p) if fetched else p, new_params,
                               setup.fetched_by_model)
-    return ([p for p, h in zip(jax.tree.leaves(new_params), self._is_host) if not h], opt_state,
-            loss, grad_norm, host_grads, clip_factor)
-
-def _device_shapes(setup: Setup) -> Any:
-  """The parameters' shapes and shardings in device memory: what the optimizer's state is
-  made from (host-resident weights must not be read, and offloaded state starts where the
-  plan says)."""
-  return jax.tree.map(
-      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s.with_memory_kind(
-          DEVICE_KIND)), setup.param_shapes, setup.param_shardings)
-
-
-def _state_shardings(setup: Setup, state: Any) -> Any:
-  """Where each leaf of the optimizer state lives: a moment beside its parameter, in
-  pinned_host where the plan offloads it, and a scalar replicated over the mesh (so that
-  step 1 sees the placements every later step sees, and the step compiles once)."""
-  offloaded = (setup.offload.offloaded if setup.offload is not None and not setup.host_kernel
-               else (False,) * len(jax.tree.leaves(setup.param_shapes)))
-  beside = {leaf_path(path): s.with_memory_kind(PINNED_HOST if off else DEVICE_KIND)
-            for (path, s), off in zip(
-                jax.tree_util.tree_flatten_with_path(setup.param_shardings)[0], offloaded)}
-  replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
-
-  def place(path, leaf):
-    if not leaf.shape:
-      return replicated
-    state_path = leaf_path(path)  # Ends with its parameter's: "1/0/mu/embed/embedding".
-    return beside[max((p for p in beside if state_path.endswith("/" + p)), key=len)]
-
-  return jax.tree_util.tree_map_with_path(place, state)
+    return self._device_only(jax.tree.leaves(new_params)), opt_state, grad_norm, clip_factor
 
 
 def _init_params(setup: Setup) -> Any:
@@ -323,24 +350,10 @@ def _init_params(setup: Setup) -> Any:
                      jnp.zeros((1, 2), jnp.int32), setup.param_shardings, groups=setup.groups)
 
 
-def _loss_and_grads(setup: Setup, params, tokens):
-  """Mean loss and gradients over the micro-batches, the gradients in device memory."""
-  model = setup.llama
-
-  def grad_fn(params, tokens):
-    value_and_grad = jax.value_and_grad(
-        lambda p: next_token_loss(model.apply({"params": p}, tokens), tokens))
-    # Gradients of weights kept in host memory arrive there.
-    return jax.tree.map(to_device, value_and_grad(params))
-
-  if setup.micro_batches == 1:
-    return grad_fn(params, tokens)
-  split = tokens.reshape(setup.micro_batches, -1, tokens.shape[-1])
-
-  def accumulate(total, micro):
-    return jax.tree.map(jnp.add, total, grad_fn(params, micro)), None
-
-  # Summed in float32 whatever the leaves' dtype.
-  zeros = (jnp.zeros(()), jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
-  (loss, grads), _ = jax.lax.scan(accumulate, zeros, split)
-  return jax.tree.map(lambda x: x / setup.micro_batches, (loss, grads))
+def _device_bytes(tree: Any) -> int:
+  """The bytes one device holds of ``tree``'s leaves in device memory (arrays or shapes)."""
+  return max((sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+                  for x in jax.tree.leaves(tree) if x.sharding.memory_kind == DEVICE_KIND
+                  and device in x.sharding.device_set)
+              for device in {d for x in jax.tree.leaves(tree) for d in x.sharding.device_set}),
+             default=0)

@@ -1,0 +1,45 @@
+"""The loss and its gradients on a step's batch: all micro-batches in one program, or one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxoffload._compat import to_device
+from jaxoffload.model import Llama, next_token_loss
+
+
+def micro_batch(tokens: jax.Array, micro_batches: int, index: Any) -> jax.Array:
+  """Micro-batch ``index`` of a step's sequences: every ``micro_batches``-th one from
+  ``index``, so that each device's shard of the batch holds its share of every micro-batch.
+
+  Example:
+    >>> micro_batch(tokens, 4, 1)  # Sequences 1, 5, 9, ...
+  """
+  return tokens.reshape(-1, micro_batches, tokens.shape[-1])[:, index]
+
+
+def loss_and_grads(model: Llama, params: Any, tokens: jax.Array) -> tuple[jax.Array, Any]:
+  """The loss on ``tokens`` and its gradients, all in device memory (the gradients of
+  weights kept in host memory arrive there and are brought over)."""
+  value_and_grad = jax.value_and_grad(
+      lambda p: next_token_loss(model.apply({"params": p}, tokens), tokens))
+  return jax.tree.map(to_device, value_and_grad(params))
+
+
+def mean_loss_and_grads(model: Llama, params: Any, tokens: jax.Array, micro_batches: int
+                        ) -> tuple[jax.Array, Any]:
+  """The mean loss and gradients over ``micro_batches`` micro-batches, in one program: a scan
+  sums them in float32, whatever the leaves' dtype."""
+  if micro_batches == 1:
+    return loss_and_grads(model, params, tokens)
+
+  def accumulate(total, index):
+    micro = micro_batch(tokens, micro_batches, index)
+    return jax.tree.map(jnp.add, total, loss_and_grads(model, params, micro)), None
+
+  zeros = (jnp.zeros(()), jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+  (loss, grads), _ = jax.lax.scan(accumulate, zeros, jnp.arange(micro_batches))
+  return jax.tree.map(lambda x: x / micro_batches, (loss, grads))

@@ -1,0 +1,102 @@
+"""The optimizer of a ``Setup``, where its state lives, and that state as checkpoints hold it.
+
+One optimizer for every setting: ``optax.chain(optax.clip_by_global_norm,
+X)`` where X is ``optax.adamw``, ``jaxoffload.offload_adamw`` (the plan's
+leaves' moments in host memory), or, with the host kernel, ``optax.adamw``
+masked to the device leaves beside a ``HostAdamW`` for the rest.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import jax
+import optax
+
+import jaxoffload
+from jaxoffload._compat import DEVICE_KIND, PINNED_HOST
+from jaxoffload.host_offload import HostAdamW
+from jaxoffload.placement import leaf_path
+from jaxoffload.train import rules
+from jaxoffload.train.resolve import Setup
+
+
+def optimizer(setup: Setup) -> optax.GradientTransformation:
+  """Clipped AdamW on the schedule; its state partly in host memory with optimizer offload."""
+  o = setup.config.optimizer
+  hyper = dict(b1=o.adam_beta1, b2=o.adam_beta2, eps=o.adam_eps, weight_decay=o.weight_decay)
+  compact = rules.compact_moments(setup.config)
+  mu_dtype, nu_dtype = rules.moment_dtypes(setup.config)
+  if setup.host_kernel:
+    on_device = jax.tree.map(lambda offloaded: not offloaded, setup.offload.mask)
+    adamw = optax.masked(optax.adamw(setup.schedule, **hyper), on_device)
+  elif setup.offload is not None or compact:
+    # With no offload, an empty mask: offload_adamw is optax.adamw with moment dtypes.
+    mask = setup.offload.mask if setup.offload is not None else jax.tree.map(
+        lambda _: False, setup.param_shapes)
+    adamw = jaxoffload.offload_adamw(
+        setup.schedule, **hyper, offload_mask=mask,
+        update_on=o.optimizer_offload_update_on if setup.offload is not None else "device",
+        overlap_transfers=o.overlap_cpu_optimizer_d2h_h2d, mu_dtype=mu_dtype, nu_dtype=nu_dtype,
+        stochastic_rounding=compact)
+  else:
+    adamw = optax.adamw(setup.schedule, **hyper)
+  return optax.chain(optax.clip_by_global_norm(o.clip_grad), adamw)
+
+
+def host_adamw(setup: Setup, weights: list[jax.Array]) -> HostAdamW:
+  """The host kernel's optimizer for the offloaded leaves' float32 ``weights``."""
+  o = setup.config.optimizer
+  return HostAdamW(weights, learning_rate=setup.schedule, b1=o.adam_beta1, b2=o.adam_beta2,
+                   eps=o.adam_eps, weight_decay=o.weight_decay, delayed=o.delayed_update,
+                   delay_after=o.delayed_update_after,
+                   predict_weights=o.delayed_update_predict_weights,
+                   device_dtypes=setup.transfer_dtypes)
+
+
+class Moments(NamedTuple):
+  """Adam's state as a checkpoint holds it, whatever held it: what any setting resumes from.
+
+  Attributes:
+    count: updates applied.
+    mu: the first moments, a tree like the parameters. A leaf of the host kernel's
+      may be a function that reads it (``read() -> array``), so that each is read
+      only when its turn comes.
+    nu: the second moments, likewise.
+    host_kernel: the host kernel's delayed-update state (``HostAdamW.checkpoint``'s
+      count, held gradients and predicted weights); None when it holds none.
+  """
+
+  count: int
+  mu: Any
+  nu: Any
+  host_kernel: Optional[dict] = None
+
+
+def device_shapes(setup: Setup) -> Any:
+  """The parameters' shapes and shardings in device memory: what the optimizer's state is
+  made from (host-resident weights must not be read, and offloaded state starts where the
+  plan says)."""
+  return jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s.with_memory_kind(
+          DEVICE_KIND)), setup.param_shapes, setup.param_shardings)
+
+
+def state_shardings(setup: Setup, state: Any) -> Any:
+  """Where each leaf of the optimizer state lives: a moment beside its parameter, in
+  pinned_host where the plan offloads it, and a scalar replicated over the mesh (so that
+  step 1 sees the placements every later step sees, and the step compiles once)."""
+  offloaded = (setup.offload.offloaded if setup.offload is not None and not setup.host_kernel
+               else (False,) * len(jax.tree.leaves(setup.param_shapes)))
+  beside = {leaf_path(path): s.with_memory_kind(PINNED_HOST if off else DEVICE_KIND)
+            for (path, s), off in zip(
+                jax.tree_util.tree_flatten_with_path(setup.param_shardings)[0], offloaded)}
+  replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
+
+  def place(path, leaf):
+    if not leaf.shape:
+      return replicated
+    state_path = leaf_path(path)  # Ends with its parameter's: "1/0/mu/embed/embedding".
+    return beside[max((p for p in beside if state_path.endswith("/" + p)), key=len)]
+
+  return jax.tree_util.tree_map_with_path(place, state)
