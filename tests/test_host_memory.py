@@ -28,16 +28,21 @@ def test_sizes_read_as_bytes():
     load_config(None, ["train.host_memory_limit=0"])
 
 
-def pinned_shard_bytes(tree):
-  """What the buffers in pinned_host memory really hold: every device's shard."""
+def shard_bytes(tree, kind):
+  """What the buffers in ``kind`` memory really hold: every device's shard (of arrays, not
+  scalars)."""
   return sum(shard.data.nbytes for leaf in jax.tree.leaves(tree)
-             if isinstance(leaf, jax.Array) and leaf.sharding.memory_kind == "pinned_host"
+             if isinstance(leaf, jax.Array) and leaf.ndim and leaf.sharding.memory_kind == kind
              for shard in leaf.addressable_shards)
+
+
+pinned_shard_bytes = lambda tree: shard_bytes(tree, "pinned_host")
 
 
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (the CPU backend has them in CI)")
 def test_the_arithmetic_counts_every_shard_the_trainer_places_in_host_memory():
   setup = resolve(load_config(None, OFFLOAD + MESH + [
+      "optimizer.optimizer_offload_fraction=0.5", "checkpoint.dir=/nonexistent/run",
       "model.cpu_offloading=True", "model.cpu_offloading_num_layers=1",
       "model.cpu_offloading_activations=False", "model.cpu_offloading_weights=True",
       "optimizer.exp_avg_dtype=bfloat16", "optimizer.exp_avg_sq_dtype=bfloat16"]))
@@ -47,6 +52,9 @@ def test_the_arithmetic_counts_every_shard_the_trainer_places_in_host_memory():
   assert need.held["optimizer state"] == pinned_shard_bytes(trainer.opt_state) > 0
   # Offloaded weights, and their gradients as they arrive in host memory.
   assert need.held["offloaded weights"] == 2 * pinned_shard_bytes(trainer.params)
+  # A checkpoint copies what is in device memory (but the step counts) to the host.
+  state = (trainer.params, trainer.opt_state)
+  assert need.transient["saving a checkpoint"] == shard_bytes(state, "device") > 0
 
 
 @pytest.mark.slow
@@ -65,11 +73,12 @@ def test_the_host_kernel_arithmetic_is_what_it_allocates(micro_batches):
     host_grads = trainer._micro_step(trainer.params, trainer.host_params, trainer._zero_sums(),
                                      tokens, 0)[1]
   need = needed(setup)
-  # The moments, and the sums of the micro-batches' gradients.
-  assert need.held["host kernel moments"] == trainer.host.unpinned_bytes
-  assert trainer.host.unpinned_bytes == (1 + (micro_batches > 1) / 2) * trainer.host.moment_bytes
-  # The weights, their copies, and one step's gradients, or two micro-batches' in flight.
-  assert need.held["host kernel weights and copies"] == (
+  # The sums of the micro-batches' gradients: half the moments' bytes.
+  assert need.held["host kernel gradient sums"] == trainer.host.unpinned_bytes
+  assert trainer.host.unpinned_bytes == (micro_batches > 1) / 2 * trainer.host.moment_bytes
+  # The weights, their copies, the moments, and one step's gradients, or two micro-batches'
+  # in flight.
+  assert need.held["host kernel state"] == (
       trainer.host.pinned_bytes + micro_batches * sum(g.nbytes for g in host_grads))
   assert need.held["optimizer state"] == 0
 

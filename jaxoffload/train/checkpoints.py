@@ -53,13 +53,17 @@ def manager(config: Config) -> Optional[ocp.CheckpointManager]:
 
 
 def save(checkpoints: ocp.CheckpointManager, step: int, trainer: Trainer) -> None:
-  """Starts an asynchronous save of the trainer's state, its config and the step."""
+  """Saves the trainer's state, its config and the step: asynchronously, unless the state
+  has buffers in host memory, which orbax reads in place (no copy of them is made) and so
+  must have written before the next step updates or donates them."""
   items = trainer.checkpoint()
   meta = {"step": step, "config": dataclasses.asdict(trainer.setup.config),
           "host_kernel": sorted(items.get("host_kernel", {}))}
   checkpoints.save(step, args=ocp.args.Composite(
       meta=ocp.args.JsonSave(meta), **{name: ocp.args.PyTreeSave(tree)
                                       for name, tree in items.items()}))
+  if trainer.holds_host_state:
+    checkpoints.wait_until_finished()
 
 
 def read(checkpoints: ocp.CheckpointManager, step: int, setup: Setup) -> tuple[Any, Moments]:

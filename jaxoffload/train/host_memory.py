@@ -36,7 +36,8 @@ class HostBytes:
   Attributes:
     held: what stays allocated while it trains, by what holds it.
     transient: what one phase holds and then frees (loading the first weights,
-      one step's offloaded activations); only the largest counts.
+      one step's offloaded activations, a checkpoint's copy of the device's state);
+      only the largest counts.
   """
 
   held: dict[str, int]
@@ -55,10 +56,10 @@ class HostBytes:
 KEYS = {
     "optimizer state": "optimizer.optimizer_offload_fraction, optimizer.exp_avg_dtype=bfloat16, "
                        "optimizer.exp_avg_sq_dtype=bfloat16",
-    "host kernel weights and copies": "optimizer.optimizer_offload_fraction, "
-                                      "optimizer.optimizer_offload_update_on=device",
-    "host kernel moments": "optimizer.optimizer_offload_fraction, train.micro_batch_size (its "
-                           "gradient sums)",
+    "host kernel state": "optimizer.optimizer_offload_fraction, "
+                         "optimizer.optimizer_offload_update_on=device",
+    "host kernel gradient sums": "train.micro_batch_size=train.global_batch_size, "
+                                 "optimizer.optimizer_offload_fraction",
     "offloaded weights": "model.cpu_offloading_num_layers, model.cpu_offloading_weights",
     "offloaded activations": "model.cpu_offloading_num_layers, train.micro_batch_size",
 }
@@ -85,6 +86,7 @@ def needed(setup: Setup) -> HostBytes:
   transfer = iter(setup.transfer_dtypes if setup.host_kernel else ())
   moment_bytes = sum(jnp.dtype(d).itemsize for d in rules.moment_dtypes(setup.config))
   summed = setup.micro_batches > 1
+  on_device = 0  # Bytes of state in this process's device memory.
   for shape, sharding, off, fetch in zip(shapes, shardings, offloaded, fetched):
     elements = local_elements(shape.shape, sharding)
     if off and setup.host_kernel:
@@ -95,14 +97,15 @@ def needed(setup: Setup) -> HostBytes:
       # Each step's gradients arrive in pinned memory; a delayed update holds one more, and
       # so do micro-batches summed on the host (the next arrive while the last are added).
       grads = (2 if o.delayed_update or summed else 1) * wire.itemsize
-      held["host kernel weights and copies"] += elements * (pinned + grads)
-      held["host kernel moments"] += elements * unpinned
+      held["host kernel state"] += elements * (pinned + grads)
+      held["host kernel gradient sums"] += elements * unpinned
       continue
     if off:
       held["optimizer state"] += elements * moment_bytes
     if fetch:  # And their gradients, which arrive in host memory.
       held["offloaded weights"] += 2 * elements * shape.dtype.itemsize
-  pinned = sum(held.values()) - held["host kernel moments"]
+    on_device += elements * ((0 if fetch else shape.dtype.itemsize) + (0 if off else moment_bytes))
+  pinned = sum(held.values()) - held["host kernel gradient sums"]
   held["pinned allocator overhead"] = int(PINNED_POOL_SLACK * pinned)
   held["JAX runtime"] = RUNTIME_BYTES
   share = jax.local_device_count() / jax.device_count()
@@ -110,7 +113,10 @@ def needed(setup: Setup) -> HostBytes:
   activations = offloaded_activation_bytes(setup.model, setup.groups, t.micro_batch_size,
                                            m.seq_length)
   transient = {"loading the first weights": weights.staging_bytes(setup),
-               "offloaded activations": int(share * activations)}
+               "offloaded activations": int(share * activations),
+               # Orbax copies the device's state to host memory, where it stays until the
+               # next step replaces it (host-resident state is saved in place).
+               "saving a checkpoint": on_device if setup.config.checkpoint.dir else 0}
   return HostBytes(held, transient)
 
 

@@ -193,11 +193,12 @@ class Trainer:
     """The whole state as placement-free trees, for orbax: ``params`` (the host kernel's
     leaves as its float32 weights), ``mu`` and ``nu`` like it, and ``host_kernel`` with a
     delayed update's held gradients (see ``Moments``). Any setting of the same model resumes
-    from it (``restore_targets``)."""
+    from it (``restore_targets``). Host-resident leaves are the live buffers: save them
+    before the next step (``holds_host_state``)."""
     mu, nu = (otu.tree_get(self.opt_state, name) for name in ("mu", "nu"))
     if self.host is None:
       return {"params": self._tree(self.params, []), "mu": mu, "nu": nu}
-    host = self.host.checkpoint()
+    host = self.host.checkpoint(copy=False)  # The save finishes before the next update.
     # The device optimizer's moments of the host kernel's leaves are MaskedNodes.
     device = lambda tree: self._device_only(self._treedef.flatten_up_to(tree))
     items = {"params": self._tree(self.params, host.pop("params")),
@@ -206,6 +207,14 @@ class Trainer:
     if self.host.delayed:
       items["host_kernel"] = host
     return items
+
+  @property
+  def holds_host_state(self) -> bool:
+    """Whether the state has buffers in host memory that a step updates in place or donates:
+    a checkpoint reads them where they are, and must finish before the next step."""
+    return self.host is not None or any(
+        x.sharding.memory_kind == PINNED_HOST for x in jax.tree.leaves(
+            (self.params, self.opt_state)))
 
   def restore_targets(self) -> dict:
     """What ``checkpoint`` returns, as this trainer's shapes, dtypes and placements: where
@@ -348,6 +357,12 @@ def _init_params(setup: Setup) -> Any:
   one_stack = Llama(setup.model, remat.layer_groups(setup.model.num_layers))
   return init_params(one_stack, jax.random.PRNGKey(setup.config.train.seed),
                      jnp.zeros((1, 2), jnp.int32), setup.param_shardings, groups=setup.groups)
+
+
+def resident_device_bytes(trainer: Trainer) -> int:
+  """The bytes one device holds of ``trainer``'s parameters and optimizer state between
+  steps (arrays, or the shapes of ``Trainer.from_shapes``)."""
+  return _device_bytes((trainer.params, trainer.opt_state))
 
 
 def _device_bytes(tree: Any) -> int:
