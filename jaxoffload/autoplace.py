@@ -42,6 +42,7 @@ class Machine:
   device_to_host: float
   kernel_rate: float | None  # Host-kernel parameter elements per second; None without numba.
   kernel_threads: int | None
+  sum_rate: float | None = None  # Gradient elements the host adds into its sums per second.
 
   def __str__(self) -> str:
     link = (f"copies {self.host_to_device / 1e9:.1f} GB/s to the device, "
@@ -82,7 +83,7 @@ def _best_seconds(fn) -> float:
 
 def measure_machine(device: jax.Device | None = None) -> Machine:
   """Times a 256 MiB copy each way between ``device`` and its pinned host memory, and the
-  host kernel on 32 M elements (best of three each)."""
+  host kernel's update and gradient sum on 32 M elements (best of three each)."""
   device = device or jax.local_devices()[0]
   on = lambda kind: jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
   host = jax.block_until_ready(
@@ -105,7 +106,9 @@ def measure_machine(device: jax.Device | None = None) -> Machine:
   weights, grads, mu, nu = (np.full(_PROBE_ELEMENTS, 0.5, np.float32) for _ in range(4))
   update = lambda: host_adam.adamw_update(weights, grads, mu, nu, learning_rate=0.0, count=1)
   rate = _PROBE_ELEMENTS / _best_seconds(update)
-  return Machine(host_to_device, device_to_host, rate, host_adam.max_threads())
+  add = lambda: host_adam.accumulate(weights, grads, square_sum=True)
+  return Machine(host_to_device, device_to_host, rate, host_adam.max_threads(),
+                 _PROBE_ELEMENTS / _best_seconds(add))
 
 
 def choose(machine: Machine, *, offloaded_elements: int, moment_bytes_per_element: int,

@@ -45,7 +45,7 @@ def test_llama_1b_is_tinyllamas_shape():
     (["model.cpu_offloading=True", "model.cpu_offloading_num_layers=4"],
      r"cpu_offloading_num_layers must be in \[0, num_layers - 1\] = \[0, 3\], got 4"),
     (["optimizer.optimizer_offload_fraction=1.5"],
-     r"optimizer.optimizer_offload_fraction must be in \[0.0, 1.0\], got 1.5"),
+     r"optimizer.optimizer_offload_fraction must be in \[0.0, 1.0\] or auto, got 1.5"),
     (["train.global_batch_size=8", "train.micro_batch_size=3"],
      r"train.global_batch_size \(8\) must be a multiple of train.micro_batch_size \(3\)"),
     (["model.dtype=float16"], r"model.dtype must be one of \['float32', 'bfloat16'\], got 'float16'"),

@@ -53,7 +53,7 @@ def test_a_config_error_exits_2_with_one_line_and_no_traceback():
     (["model.cpu_offloading=True", "model.cpu_offloading_num_layers=4"],
      "error: cpu_offloading_num_layers must be in [0, num_layers - 1] = [0, 3], got 4\n"),
     (["optimizer.optimizer_offload_fraction=-0.1"],
-     "error: optimizer.optimizer_offload_fraction must be in [0.0, 1.0], got -0.1\n"),
+     "error: optimizer.optimizer_offload_fraction must be in [0.0, 1.0] or auto, got -0.1\n"),
     (["optimizer.optimizer_offload_fractoin=0.5"],
      "error: unknown config key 'optimizer.optimizer_offload_fractoin'; "
      "did you mean 'optimizer.optimizer_offload_fraction'?\n"),

@@ -93,7 +93,10 @@ class OptimizerConfig:
       memory (``jaxoffload.offload_adamw``, or the host kernel).
     optimizer_offload_fraction: share of parameter elements whose state is offloaded,
       in [0.0, 1.0]: whole leaves, those whose share lies nearest (the trainer logs the
-      achieved share).
+      achieved share); or auto: the least share (in layer-sized steps) whose step fits
+      this machine's device and host memory, compiled from shapes before anything is
+      allocated, on the placement that adds least (``python -m jaxoffload.plan
+      --offload-only`` shows the search).
     optimizer_offload_update_on: where offloaded state updates: device (moments
       streamed through the device in chunks), host (XLA's host computation, one core),
       host_kernel (ZeRO-Offload's split: the chosen leaves' float32 weights and moments
@@ -140,7 +143,7 @@ class OptimizerConfig:
   weight_decay: float = 0.1
   clip_grad: float = 1.0
   optimizer_cpu_offload: bool = False
-  optimizer_offload_fraction: float = 0.0
+  optimizer_offload_fraction: Union[float, str] = 0.0
   optimizer_offload_update_on: str = "device"
   delayed_update: bool = False
   delayed_update_after: int = 0

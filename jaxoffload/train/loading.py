@@ -64,6 +64,20 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Co
   return config
 
 
+def override(config: Config, overrides: Sequence[str]) -> Config:
+  """``config`` with ``section.key=value`` overrides applied, and checked once.
+
+  Raises:
+    ConfigError: naming the key, for an unknown key, a wrong type or a broken rule.
+
+  Example:
+    >>> smaller = override(config, ["train.micro_batch_size=2"])
+  """
+  changed = _with_values(config, [parse_override(text) for text in overrides])
+  rules.check(changed)
+  return changed
+
+
 def config_from_dict(values: dict[str, dict[str, Any]]) -> Config:
   """The ``Config`` that ``dataclasses.asdict`` made ``values`` from (a checkpoint's meta),
   types checked, with no file read: it was checked when it ran."""

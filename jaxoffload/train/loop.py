@@ -172,8 +172,8 @@ def _announce(setup: Setup, trainer: Trainer, log: Log) -> None:
   log(f"backend {jax.default_backend()} ({jax.device_count()} x {jax.devices()[0].device_kind}); "
       f"{m.num_layers} layers, hidden {m.hidden_size}; "
       f"{t.global_batch_size} x {m.seq_length} tokens a step of {config.data.dataset} data")
-  if setup.choice is not None:
-    log(str(setup.choice))
+  for line in setup.choices:
+    log(line)
   if trainer.host is not None:
     log(str(trainer.host))
   elif setup.offload is not None:

@@ -10,6 +10,7 @@ a ``Setup`` and derive nothing from the config again.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 from typing import Any, Optional
 
@@ -33,7 +34,7 @@ class Setup:
   """What a run needs, resolved once from its ``Config``.
 
   Attributes:
-    config: the config, with ``optimizer_offload_update_on=auto`` replaced by the choice.
+    config: the config, with ``auto`` fractions and placements replaced by the choice.
     model: the model's own config.
     groups: its layer groups (activation placement, weights offload).
     mesh: the (data, fsdp, tensor) mesh.
@@ -43,7 +44,7 @@ class Setup:
     fetched_by_model: per leaf, True for weights of weight-offloaded layer groups,
       which the model brings to the device layer by layer.
     schedule: the learning rate at each update.
-    choice: what ``auto`` chose and why; None when the placement was given.
+    choices: what each ``auto`` chose and why, a line each.
     data: the training and held-out batches (numpy), and the tokenizer.
   """
 
@@ -56,7 +57,7 @@ class Setup:
   offload: Optional[OffloadPlan]
   fetched_by_model: Any
   schedule: optax.Schedule
-  choice: Optional[autoplace.Choice]
+  choices: tuple[str, ...]
   data: data.Data
 
   @property
@@ -109,13 +110,16 @@ def resolve(config: Config) -> Setup:
       that does not use every device of several processes, an unreadable text
       file, the host kernel without numba.
   """
+  choices = []
+  if config.optimizer.optimizer_offload_fraction == "auto":
+    from jaxoffload.plan import fastest_offload  # The planner resolves settings itself.
+    config = fastest_offload(config, log=choices.append)
   groups = rules.layer_groups(config)
   mesh = _mesh(config)
   model = config.model.llama()
   run_data = data.make(config)
-  probe = jnp.zeros((1, 2), jnp.int32)  # Parameters' shapes do not depend on the tokens'.
-  shapes = abstract_params(Llama(model, groups), probe)
-  shardings = sharding.logical_shardings(mesh, logical_param_specs(Llama(model, groups), probe))
+  shapes, specs = _param_shapes(model, tuple((g.start, g.stop) for g in groups))
+  shardings = sharding.logical_shardings(mesh, specs)
   host_groups = {group_name(g) for g in groups if g.offload_weights}
   fetched = jax.tree_util.tree_map_with_path(
       lambda path, _: leaf_path(path).split("/")[0] in host_groups, shapes)
@@ -123,6 +127,8 @@ def resolve(config: Config) -> Setup:
   offload = (plan_offload(shapes, offload_fraction=o.optimizer_offload_fraction)
              if o.optimizer_cpu_offload else None)
   config, choice = _resolve_update_place(config, offload)
+  if choice is not None:
+    choices.append(str(choice))
   host_kernel = offload is not None and config.optimizer.optimizer_offload_update_on == "host_kernel"
   if host_kernel and importlib.util.find_spec("numba") is None:
     raise ConfigError("optimizer_offload_update_on=host_kernel needs numba: "
@@ -135,7 +141,16 @@ def resolve(config: Config) -> Setup:
                            shardings, in_host)
   return Setup(config=config, model=model, groups=groups, mesh=mesh, param_shapes=shapes,
                param_shardings=shardings, offload=offload, fetched_by_model=fetched,
-               schedule=learning_rate(config), choice=choice, data=run_data)
+               schedule=learning_rate(config), choices=tuple(choices), data=run_data)
+
+
+@functools.lru_cache(maxsize=64)
+def _param_shapes(model: LlamaConfig, layers: tuple[tuple[int, int], ...]) -> tuple[Any, Any]:
+  """The parameters' shapes and logical specs for layer groups cut at ``layers``: traced
+  once per model and cut (a planner resolves many settings of one model)."""
+  llama = Llama(model, tuple(LayerGroup(start, stop, None) for start, stop in layers))
+  probe = jnp.zeros((1, 2), jnp.int32)  # Parameters' shapes do not depend on the tokens'.
+  return abstract_params(llama, probe), logical_param_specs(llama, probe)
 
 
 def learning_rate(config: Config) -> optax.Schedule:
@@ -172,13 +187,16 @@ def price_updates(config: Config, offload: OffloadPlan, machine: autoplace.Machi
   """What each exact update placement adds to a step of ``config`` with ``offload``, on
   ``machine`` (the host kernel priced only where ``host_kernel`` and the config allow it)."""
   o = config.optimizer
-  # Each device copies its own shards; the host kernel updates all of this process's.
-  per_device = offload.offloaded_elements // (config.mesh.fsdp * config.mesh.tensor)
+  # Each device copies its own shards; the host kernel updates all of this process's (the
+  # mesh's devices are spread evenly over the processes).
+  m = config.mesh
+  per_device = offload.offloaded_elements // (m.fsdp * m.tensor)
+  local_devices = m.data * m.fsdp * m.tensor // jax.process_count()
   return autoplace.choose(
       machine, offloaded_elements=per_device,
       moment_bytes_per_element=sum(jnp.dtype(d).itemsize for d in rules.moment_dtypes(config)),
       transfer_bytes_per_element=jnp.dtype(o.offload_transfer_dtype).itemsize,
-      local_elements=per_device * jax.local_device_count(),
+      local_elements=per_device * local_devices,
       host_kernel=host_kernel and host_kernel_allowed(config))
 
 

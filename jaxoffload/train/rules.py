@@ -168,11 +168,16 @@ def _check_optimizer(config: Config) -> None:
     raise ConfigError(f"optimizer.adam_eps and optimizer.clip_grad must be > 0, got "
                       f"{o.adam_eps} and {o.clip_grad}")
   _at_least("optimizer.weight_decay", o.weight_decay, 0)
-  try:
-    check_fraction(o.optimizer_offload_fraction)
-  except ValueError:
-    raise ConfigError(f"optimizer.optimizer_offload_fraction must be in [0.0, 1.0], got "
-                      f"{o.optimizer_offload_fraction!r}") from None
+  if o.optimizer_offload_fraction == "auto":
+    if not o.optimizer_cpu_offload:
+      raise ConfigError("optimizer.optimizer_offload_fraction=auto picks how much to offload: "
+                        "it needs optimizer.optimizer_cpu_offload=True")
+  else:
+    try:
+      check_fraction(o.optimizer_offload_fraction)
+    except ValueError:
+      raise ConfigError(f"optimizer.optimizer_offload_fraction must be in [0.0, 1.0] or auto, "
+                        f"got {o.optimizer_offload_fraction!r}") from None
   if o.overlap_cpu_optimizer_d2h_h2d and o.optimizer_offload_update_on != "device":
     raise ConfigError(
         f"optimizer.overlap_cpu_optimizer_d2h_h2d=True overlaps the copies of state streamed "

@@ -1,0 +1,26 @@
+"""The fastest setting that fits this machine, found before anything is allocated.
+
+``python -m jaxoffload.plan --config X [overrides]`` tries, for the config's
+model and global batch, the optimizer offload (a fraction in layer-sized
+steps, updated on the device or by the host kernel), the activation setting
+(saved, recomputed, offloaded, with weights offload) and the micro-batch size.
+Each candidate is judged before anything is allocated:
+
+- device peak: XLA's memory analysis of the step compiled from shapes alone
+  (``Trainer.from_shapes``), against the device's memory less a headroom;
+- host bytes: the host-memory guard's arithmetic (``train.host_memory``) and
+  what this process holds, against what the machine gives less a headroom;
+- step time: predicted from a short calibration of this machine
+  (``jaxoffload.plan.timing`` says how).
+
+It prints the candidates it compiled, marks what fits, and picks the fastest
+that fits. ``optimizer.optimizer_offload_fraction=auto`` in the trainer runs the
+same search over the offload alone.
+"""
+
+from jaxoffload.plan.search import (Budgets, Candidate, activation_settings, budgets_of,
+                                    fastest_offload, plan, table)
+from jaxoffload.plan.timing import Calibration, calibrate, predict_s
+
+__all__ = ["Budgets", "Calibration", "Candidate", "activation_settings", "budgets_of",
+           "calibrate", "fastest_offload", "plan", "predict_s", "table"]

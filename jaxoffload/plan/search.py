@@ -1,0 +1,293 @@
+"""The candidate settings, the search for the fastest one that fits, and its table."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from jaxoffload import autoplace
+from jaxoffload.memory import host_rss_bytes, parse_bytes
+from jaxoffload.plan.timing import Calibration, calibrate, predict_s
+from jaxoffload.train import Trainer, host_memory, resolve
+from jaxoffload.train.config import Config, ConfigError
+from jaxoffload.train.loading import override
+from jaxoffload.train.resolve import Setup, host_kernel_allowed
+from jaxoffload.train.step import resident_device_bytes
+
+DEVICE_HEADROOM = 0.05  # XLA's estimate leaves out fragmentation and the runtime's own use.
+HOST_HEADROOM = 0.10  # The guard's arithmetic leaves out allocator growth it cannot see.
+PLACES = ("device", "host_kernel")
+Log = Callable[[str], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+  """One setting and what it needs.
+
+  Attributes:
+    activations: the name of its activation setting (``activation_settings``).
+    micro_batch_size: ``train.micro_batch_size``.
+    fraction: ``optimizer.optimizer_offload_fraction`` (0: no optimizer offload).
+    update_on: ``optimizer.optimizer_offload_update_on``.
+    achieved: the share of elements the plan offloads (whole leaves).
+    device_bytes: XLA's device peak of the step; None where it was not compiled.
+    host_bytes: the host memory the process will hold.
+    step_s: the predicted seconds of a step (``timing``); without a calibration,
+      only what offload adds to it.
+    overrides: the config overrides that make this setting.
+    verdict: what the search found: ``fits``, what it does not fit, or why it was
+      not compiled.
+  """
+
+  activations: str
+  micro_batch_size: int
+  fraction: float
+  update_on: str
+  achieved: float
+  device_bytes: Optional[int]
+  host_bytes: int
+  step_s: float
+  overrides: tuple[str, ...]
+  verdict: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Budgets:
+  """What a setting may use: device bytes (None where unknown) and host bytes."""
+
+  device: Optional[int]
+  host: int
+
+  def fits_device(self, candidate: Candidate) -> bool:
+    return (self.device is None or candidate.device_bytes is not None
+            and candidate.device_bytes <= (1 - DEVICE_HEADROOM) * self.device)
+
+  def fits_host(self, candidate: Candidate) -> bool:
+    return candidate.host_bytes <= (1 - HOST_HEADROOM) * self.host
+
+
+def activation_settings(config: Config) -> dict[str, list[str]]:
+  """The activation settings the planner tries, by name: the config's own, saving every
+  activation, recomputing every layer, and offloading the config's policy (with and
+  without the weights) for every layer but the last (Megatron's limit)."""
+  m = config.model
+  off = lambda weights: ["model.cpu_offloading=True", "model.recompute_granularity=null",
+                         f"model.cpu_offloading_num_layers={m.num_layers - 1}",
+                         "model.cpu_offloading_activations=True",
+                         f"model.cpu_offloading_weights={weights}"]
+  settings = {"as configured": []}
+  settings["save everything"] = ["model.cpu_offloading=False", "model.recompute_granularity=null"]
+  settings["recompute every layer"] = ["model.cpu_offloading=False",
+                                       "model.recompute_granularity=full"]
+  if m.num_layers > 1:
+    settings[f"offload {m.cpu_offloading_policy}, {m.num_layers - 1} layers"] = off(False)
+    settings[f"offload {m.cpu_offloading_policy} and weights, {m.num_layers - 1} layers"] = (
+        off(True))
+  # The config's own setting once, under its name if another one is the same.
+  same = [name for name, o in settings.items() if o and _model(config, o) == m]
+  if same:
+    del settings["as configured"]
+  return settings
+
+
+def plan(config: Config, budgets: Budgets, *, explore: bool = True, log: Log = print,
+         machine: Optional[autoplace.Machine] = None,
+         calibration: Optional[Calibration] = None) -> tuple[Optional[Candidate], list[Candidate]]:
+  """The fastest candidate that fits ``budgets``, and every candidate compiled on the way.
+
+  Each combination of activation setting, micro-batch size and update placement
+  is a ladder of offload fractions in layer-sized steps. Its least fraction
+  whose state alone fits (found without compiling) bounds its step time from
+  below; ladders are tried fastest bound first, each by bisection over its
+  fractions with compiled steps, until the pick is faster than every bound left.
+
+  Args:
+    config: a checked config; its optimizer offload is what is planned, and with
+      ``explore`` its activation setting and micro-batch size too.
+    budgets: what the step may use.
+    explore: also try the other activation settings and micro-batch sizes, their
+      compute timed by a short calibration on this device; else keep the config's.
+    machine: this machine's link and host-kernel rates; default: measured now.
+    calibration: the device compute's times; default: measured now when exploring.
+
+  Returns:
+    ``(pick, rows)``: the pick, None when nothing fits; and each combination's
+    outcome, fastest first.
+  """
+  machine = machine or autoplace.measure_machine()
+  settings = activation_settings(config) if explore else {"as configured": []}
+  sizes = _micro_batch_sizes(config) if explore else [config.train.micro_batch_size]
+  if explore and calibration is None:
+    calibration = calibrate([override(config, o) for o in settings.values()], log=log)
+  places = [p for p in PLACES if p == "device" or (machine.kernel_rate is not None
+                                                    and host_kernel_allowed(config))]
+  if not explore and config.optimizer.optimizer_offload_update_on in PLACES:
+    places = [config.optimizer.optimizer_offload_update_on]
+  ladders = [_Ladder(config, name, list(o) + [f"train.micro_batch_size={size}"], place,
+                     machine, calibration)
+             for name, o in settings.items() for size in sizes for place in places]
+  rows, seen = {}, set()
+  for n, ladder in enumerate(ladders):
+    least = ladder.least(budgets)
+    if least.overrides not in seen:  # Without offload, both placements are one setting.
+      seen.add(least.overrides)
+      rows[n] = least
+  best = None
+  for n in sorted((n for n, row in rows.items() if not row.verdict),
+                  key=lambda n: rows[n].step_s):
+    if best is not None and rows[n].step_s >= best.step_s:
+      rows[n] = dataclasses.replace(rows[n], verdict="not compiled: slower than the pick")
+      continue
+    rows[n] = ladders[n].smallest_fitting(budgets)
+    if rows[n].verdict == "fits" and (best is None or rows[n].step_s < best.step_s):
+      best = rows[n]
+  return best, [rows[n] for n in sorted(rows, key=lambda n: rows[n].step_s)]
+
+
+class _Ladder:
+  """One combination's candidates by offload fraction, ``k / num_layers``, resolved when
+  asked for; ``least`` and ``smallest_fitting`` bisect them (the device's bytes fall and
+  the host's rise as the fraction does)."""
+
+  def __init__(self, config: Config, name: str, base: list[str], place: str,
+               machine: autoplace.Machine, calibration: Optional[Calibration]):
+    self.config, self.name, self.base, self.place = config, name, base, place
+    self.machine, self.calibration = machine, calibration
+    self.steps = config.model.num_layers
+    self._setups: dict[int, Optional[tuple[Setup, Candidate]]] = {}
+    self._least: Optional[int] = None
+
+  def judge(self, step: int) -> Optional[tuple[Setup, Candidate]]:
+    """Step ``step``'s setup and candidate (not compiled); None where a rule refuses it."""
+    if step not in self._setups:
+      fraction = step / self.steps
+      overrides = self.base + _offload(fraction, self.place)
+      try:
+        setup = resolve(override(self.config, overrides))
+      except ConfigError:
+        self._setups[step] = None
+        return None
+      self._setups[step] = setup, Candidate(
+          self.name, setup.config.train.micro_batch_size, fraction,
+          self.place if fraction else "-", setup.offload.fraction if setup.offload else 0.0,
+          None, (host_rss_bytes() or 0) + host_memory.needed(setup).total,
+          predict_s(setup, self.calibration, self.machine), tuple(overrides))
+    return self._setups[step]
+
+  def least(self, budgets: Budgets) -> Candidate:
+    """The least offload whose state alone fits both budgets, found without compiling (its
+    verdict empty); or, with its verdict, why none does."""
+    resident_fits = lambda step: self.judge(step) is not None and (
+        budgets.device is None or resident_device_bytes(Trainer.from_shapes(
+            self.judge(step)[0])) <= (1 - DEVICE_HEADROOM) * budgets.device)
+    self._least = _first(0, self.steps, resident_fits)
+    if self._least is None:
+      last = self.judge(self.steps) or self.judge(0)
+      return dataclasses.replace(last[1], verdict="no: device (its state alone)")
+    candidate = self.judge(self._least)[1]
+    return candidate if budgets.fits_host(candidate) else dataclasses.replace(
+        candidate, verdict="no: host")
+
+  def smallest_fitting(self, budgets: Budgets) -> Candidate:
+    """The least offload whose compiled step fits the device, and whether it fits the host;
+    or the most offloaded one tried, which does not fit the device."""
+    compiled = {}
+
+    def fits(step):
+      setup, candidate = self.judge(step)
+      tokens = setup.global_batch(0)
+      device = Trainer.from_shapes(setup).compile(jax.ShapeDtypeStruct(
+          tokens.shape, tokens.dtype, sharding=tokens.sharding)).device_bytes
+      compiled[step] = dataclasses.replace(candidate, device_bytes=device)
+      return budgets.fits_device(compiled[step])
+
+    # The least offload first: where it fits, no bisection is needed.
+    step = self._least if fits(self._least) else _first(self._least + 1, self.steps, fits)
+    if step is None:
+      return dataclasses.replace(compiled[max(compiled)], verdict="no: device")
+    return dataclasses.replace(compiled[step], verdict="fits" if budgets.fits_host(
+        compiled[step]) else "no: host")
+
+
+def _first(low: int, high: int, holds: Callable[[int], bool]) -> Optional[int]:
+  """The least step in ``[low, high]`` where ``holds``, which holds from some step on."""
+  found = None
+  while low <= high:
+    middle = (low + high) // 2
+    if holds(middle):
+      found, high = middle, middle - 1
+    else:
+      low = middle + 1
+  return found
+
+
+def _offload(fraction: float, place: str) -> list[str]:
+  if not fraction:
+    return ["optimizer.optimizer_cpu_offload=False", "optimizer.optimizer_offload_fraction=0.0"]
+  return ["optimizer.optimizer_cpu_offload=True", f"optimizer.optimizer_offload_fraction={fraction}",
+          f"optimizer.optimizer_offload_update_on={place}"]
+
+
+def _micro_batch_sizes(config: Config) -> list[int]:
+  """Every micro-batch size the global batch divides into, largest first."""
+  total = config.train.global_batch_size
+  return [size for size in range(total, 0, -1) if total % size == 0]
+
+
+def _model(config: Config, overrides: list[str]):
+  return override(config, overrides).model
+
+
+def table(rows: list[Candidate], pick: Optional[Candidate]) -> list[str]:
+  """One markdown row per combination the planner judged, the pick marked."""
+  lines = ["| activations | micro-batch | update on | offload (achieved) | device peak | host "
+           "| predicted step | fits |", "|---|---|---|---|---|---|---|---|"]
+  for c in rows:
+    device = "-" if c.device_bytes is None else host_memory.size(c.device_bytes)
+    lines.append(f"| {c.activations} | {c.micro_batch_size} | {c.update_on} | {c.fraction:.2f} "
+                 f"({c.achieved:.2f}) | {device} | {host_memory.size(c.host_bytes)} | "
+                 f"{c.step_s * 1e3:,.1f} ms | {c.verdict}{' (pick)' if c == pick else ''} |")
+  return lines
+
+
+def budgets_of(config: Config, device_memory: Optional[int] = None) -> Budgets:
+  """This machine's budgets: the device's memory (``device_memory``, else what JAX reports;
+  None on CPUs) and the host memory left to this process (``train.host_memory_limit``, else
+  what the machine and its cgroup leave), counting what it holds now."""
+  limit = config.train.host_memory_limit
+  host = host_memory.available(None if limit is None else parse_bytes(limit))[0]
+  device = device_memory or (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+  return Budgets(device, host + (host_rss_bytes() or 0))
+
+
+def fastest_offload(config: Config, log: Log = print) -> Config:
+  """``config`` with ``optimizer.optimizer_offload_fraction=auto`` replaced by the least
+  offload that fits this machine, on the placement that adds least to a step (of the
+  config's ``optimizer_offload_update_on``, or both with auto).
+
+  Raises:
+    ConfigError: when no fraction fits, naming the keys that free more memory.
+  """
+  budgets = budgets_of(config)
+  best, _ = plan(config, budgets, explore=False, log=log)
+  overrides = None if best is None else list(best.overrides)
+  if jax.process_count() > 1:  # Every process must build the same program: process 0's pick.
+    picked = np.array([-1.0, 0.0] if best is None else
+                      [best.fraction, float(best.update_on == "host_kernel")])
+    fraction, host_kernel = multihost_utils.broadcast_one_to_all(picked)
+    overrides = None if fraction < 0 else _offload(float(fraction), PLACES[int(host_kernel)])
+  if overrides is None:
+    raise ConfigError("optimizer.optimizer_offload_fraction=auto: no offload fits this machine "
+                      "(python -m jaxoffload.plan --offload-only shows each); offload "
+                      "activations (model.cpu_offloading_num_layers), recompute them "
+                      "(model.recompute_granularity=full) or lower train.micro_batch_size")
+  if best is not None:
+    log(f"optimizer_offload_fraction=auto chose {best.fraction:.2f} on {best.update_on} "
+        f"(achieved {best.achieved:.2f}; device peak "
+        f"{host_memory.size(best.device_bytes or 0)}, host {host_memory.size(best.host_bytes)}; "
+        f"predicted +{best.step_s * 1e3:,.1f} ms a step)")
+  return override(config, overrides)
