@@ -270,7 +270,7 @@ class Llama(nn.Module):
     x = _constrain(self.mesh, embed(tokens), "embed_activation")
     for group in self.groups or layer_groups(c.num_layers):
       layer = DecoderLayer
-      if group.offload_weights:
+      if group.offload_weights or group.fetch_weights:
         # Inside the scan each layer's slice of the host-resident stack comes to
         # the device just before use; its gradient goes back to host memory.
         # Fetched inside the remat below, so the backward pass fetches it again

@@ -139,12 +139,18 @@ class LayerGroup:
     placements: one ``Placement`` per activation name, or None to save all.
     offload_weights: the group's weights live in pinned_host and come to the
       device one layer at a time, in the forward and the backward pass.
+    fetch_weights: those of the group's weights that live in host memory come to
+      the device one layer at a time, and their gradients go back to host memory
+      one layer at a time, as the backward pass makes them; the activations are
+      placed as ``placements`` says (with it, a group that saves everything keeps
+      the device copies for the backward pass).
   """
 
   start: int
   stop: int
   placements: Placements
   offload_weights: bool = False
+  fetch_weights: bool = False
 
   def policy(self) -> Optional[Callable[..., object]]:
     """The group's ``jax.checkpoint`` policy; None when nothing needs rematerialising."""

@@ -100,6 +100,10 @@ SLOW = pytest.mark.slow
                   "model.cpu_offloading_weights=True", *HOST_KERNEL[:1],
                   "optimizer.optimizer_offload_fraction=1.0", *HOST_KERNEL[2:]], marks=SLOW,
                  id="host-kernel-and-weights"),
+    # Weights offload beside the host kernel's leaves, each summing its micro-batches.
+    pytest.param(["model.cpu_offloading=True", "model.cpu_offloading_num_layers=2",
+                  "model.cpu_offloading_weights=True", *HOST_KERNEL, "train.micro_batch_size=4"],
+                 marks=SLOW, id="host-kernel-half-and-weights-accumulation"),
     # Activation, weight and host-kernel optimizer offload at once, with accumulation.
     pytest.param(["model.cpu_offloading=True", "model.cpu_offloading_num_layers=3",
                   "model.cpu_offloading_weights=True", *HOST_KERNEL[:1],

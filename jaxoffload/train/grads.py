@@ -21,12 +21,17 @@ def micro_batch(tokens: jax.Array, micro_batches: int, index: Any) -> jax.Array:
   return tokens.reshape(-1, micro_batches, tokens.shape[-1])[:, index]
 
 
-def loss_and_grads(model: Llama, params: Any, tokens: jax.Array) -> tuple[jax.Array, Any]:
-  """The loss on ``tokens`` and its gradients, all in device memory (the gradients of
-  weights kept in host memory arrive there and are brought over)."""
+def loss_and_grads(model: Llama, params: Any, tokens: jax.Array, left_on_host: Any = None
+                   ) -> tuple[jax.Array, Any]:
+  """The loss on ``tokens`` and its gradients in device memory: the gradients of weights kept
+  in host memory arrive there and are brought over, but those ``left_on_host`` marks (a tree
+  of bools like ``params``)."""
   value_and_grad = jax.value_and_grad(
       lambda p: next_token_loss(model.apply({"params": p}, tokens), tokens))
-  return jax.tree.map(to_device, value_and_grad(params))
+  loss, grads = value_and_grad(params)
+  if left_on_host is None:
+    return loss, jax.tree.map(to_device, grads)
+  return loss, jax.tree.map(lambda g, left: g if left else to_device(g), grads, left_on_host)
 
 
 def mean_loss_and_grads(model: Llama, params: Any, tokens: jax.Array, micro_batches: int

@@ -41,8 +41,9 @@ class Setup:
     param_shapes: the parameters' ``jax.ShapeDtypeStruct``s.
     param_shardings: where each parameter lives: sharding and memory kind.
     offload: which leaves' optimizer state is offloaded; None without optimizer offload.
-    fetched_by_model: per leaf, True for weights of weight-offloaded layer groups,
-      which the model brings to the device layer by layer.
+    fetched_by_model: per leaf, True for weights in host memory that the model brings to
+      the device layer by layer: weight-offloaded groups', and the host kernel's stacked
+      leaves when it sums micro-batches.
     schedule: the learning rate at each update.
     choices: what each ``auto`` chose and why, a line each.
     data: the training and held-out batches (numpy), and the tokenizer.
@@ -139,9 +140,28 @@ def resolve(config: Config) -> Setup:
                                                           offload.mask)
   shardings = jax.tree.map(lambda s, host: s.with_memory_kind("pinned_host") if host else s,
                            shardings, in_host)
+  if host_kernel and config.train.global_batch_size > config.train.micro_batch_size:
+    # Summing micro-batches on the host: the model fetches the host kernel's stacked
+    # leaves a layer at a time, and their gradients leave the device as they are made.
+    groups, fetched = _fetching_host_leaves(groups, in_host)
   return Setup(config=config, model=model, groups=groups, mesh=mesh, param_shapes=shapes,
                param_shardings=shardings, offload=offload, fetched_by_model=fetched,
                schedule=learning_rate(config), choices=tuple(choices), data=run_data)
+
+
+def _fetching_host_leaves(groups: tuple[LayerGroup, ...], in_host: Any
+                          ) -> tuple[tuple[LayerGroup, ...], Any]:
+  """``groups`` with ``fetch_weights`` where a stacked leaf lives in host memory, and which
+  leaves the model then fetches: those of such groups in host memory."""
+  paths = [leaf_path(path) for path, _ in jax.tree_util.tree_flatten_with_path(in_host)[0]]
+  hosted = {path.split("/")[0] for path, host in zip(paths, jax.tree.leaves(in_host)) if host}
+  groups = tuple(dataclasses.replace(g, fetch_weights=g.fetch_weights or group_name(g) in hosted)
+                 for g in groups)
+  fetching = {group_name(g) for g in groups if g.offload_weights or g.fetch_weights}
+  fetched = jax.tree.unflatten(jax.tree.structure(in_host), [
+      host and path.split("/")[0] in fetching
+      for path, host in zip(paths, jax.tree.leaves(in_host))])
+  return groups, fetched
 
 
 @functools.lru_cache(maxsize=64)

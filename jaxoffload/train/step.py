@@ -306,8 +306,12 @@ class Trainer:
     kernel's leaves' gradients sent to host memory, in the dtypes they travel in."""
     setup = self.setup
     params = self._model_params(device_leaves, host_leaves)
+    # The host kernel's leaves that the model fetches send their gradients to host memory
+    # layer by layer: they stay there.
+    left_on_host = self._treedef.unflatten(
+        [f and h for f, h in zip(jax.tree.leaves(setup.fetched_by_model), self._is_host)])
     loss, grads = loss_and_grads(setup.llama, params,
-                                 micro_batch(tokens, setup.micro_batches, index))
+                                 micro_batch(tokens, setup.micro_batches, index), left_on_host)
     leaves = jax.tree.leaves(grads)
     loss_sum, totals = sums
     totals = [t + g.astype(jnp.float32) for t, g in zip(totals, self._device_only(leaves))]
