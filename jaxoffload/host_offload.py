@@ -192,6 +192,11 @@ class HostAdamW:
     # instead, if any (bfloat16, or predicted weights).
     self._weights, self._copies = [], []
     for w, dtype in zip(weights, self._device_dtypes):
+      if len({shard.data.unsafe_buffer_pointer() for shard in w.addressable_shards}) < len(
+          w.addressable_shards):
+        # Replicas sharing one buffer (jax.device_put of numpy on the CPU backend): the
+        # kernel would update it once per shard.
+        w = _copy(w)
       if dtype == jnp.bfloat16 or self.predict_weights:
         self._weights.append([w])
         self._copies.append([_copy(w, dtype) for _ in range(buffers)])
