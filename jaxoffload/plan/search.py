@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable, Optional
 
 import jax
@@ -102,8 +103,10 @@ def plan(config: Config, budgets: Budgets, *, explore: bool = True, log: Log = p
   Each combination of activation setting, micro-batch size and update placement
   is a ladder of offload fractions in layer-sized steps. Its least fraction
   whose state alone fits (found without compiling) bounds its step time from
-  below; ladders are tried fastest bound first, each by bisection over its
-  fractions with compiled steps, until the pick is faster than every bound left.
+  below; ladders are tried fastest bound first, until the pick is faster than
+  every bound left. A ladder is compiled at its most offload (if that does not
+  fit, neither does a larger micro-batch of its activation setting), then at its
+  least, then bisected.
 
   Args:
     config: a checked config; its optimizer offload is what is planned, and with
@@ -118,6 +121,7 @@ def plan(config: Config, budgets: Budgets, *, explore: bool = True, log: Log = p
     ``(pick, rows)``: the pick, None when nothing fits; and each combination's
     outcome, fastest first.
   """
+  baseline = host_rss_bytes() or 0  # What a run holds before its state, as the guard counts.
   machine = machine or autoplace.measure_machine()
   settings = activation_settings(config) if explore else {"as configured": []}
   sizes = _micro_batch_sizes(config) if explore else [config.train.micro_batch_size]
@@ -128,7 +132,7 @@ def plan(config: Config, budgets: Budgets, *, explore: bool = True, log: Log = p
   if not explore and config.optimizer.optimizer_offload_update_on in PLACES:
     places = [config.optimizer.optimizer_offload_update_on]
   ladders = [_Ladder(config, name, list(o) + [f"train.micro_batch_size={size}"], place,
-                     machine, calibration)
+                     machine, calibration, baseline)
              for name, o in settings.items() for size in sizes for place in places]
   rows, seen = {}, set()
   for n, ladder in enumerate(ladders):
@@ -136,15 +140,22 @@ def plan(config: Config, budgets: Budgets, *, explore: bool = True, log: Log = p
     if least.overrides not in seen:  # Without offload, both placements are one setting.
       seen.add(least.overrides)
       rows[n] = least
-  best = None
+  best, too_large = None, {}  # Per activation setting, the least micro-batch that cannot fit.
   for n in sorted((n for n, row in rows.items() if not row.verdict),
                   key=lambda n: rows[n].step_s):
-    if best is not None and rows[n].step_s >= best.step_s:
-      rows[n] = dataclasses.replace(rows[n], verdict="not compiled: slower than the pick")
-      continue
-    rows[n] = ladders[n].smallest_fitting(budgets)
-    if rows[n].verdict == "fits" and (best is None or rows[n].step_s < best.step_s):
-      best = rows[n]
+    row = rows[n]
+    if best is not None and row.step_s >= best.step_s:
+      rows[n] = dataclasses.replace(row, verdict="not compiled: slower than the pick")
+    elif row.micro_batch_size >= too_large.get(row.activations, math.inf):
+      rows[n] = dataclasses.replace(row, verdict="not compiled: a smaller micro-batch does "
+                                                 "not fit the device")
+    else:
+      rows[n] = ladders[n].smallest_fitting(budgets)
+      if rows[n].verdict == "no: device":
+        too_large[row.activations] = min(row.micro_batch_size,
+                                         too_large.get(row.activations, math.inf))
+      if rows[n].verdict == "fits" and (best is None or rows[n].step_s < best.step_s):
+        best = rows[n]
   return best, [rows[n] for n in sorted(rows, key=lambda n: rows[n].step_s)]
 
 
@@ -154,9 +165,9 @@ class _Ladder:
   the host's rise as the fraction does)."""
 
   def __init__(self, config: Config, name: str, base: list[str], place: str,
-               machine: autoplace.Machine, calibration: Optional[Calibration]):
+               machine: autoplace.Machine, calibration: Optional[Calibration], baseline: int):
     self.config, self.name, self.base, self.place = config, name, base, place
-    self.machine, self.calibration = machine, calibration
+    self.machine, self.calibration, self.baseline = machine, calibration, baseline
     self.steps = config.model.num_layers
     self._setups: dict[int, Optional[tuple[Setup, Candidate]]] = {}
     self._least: Optional[int] = None
@@ -174,7 +185,7 @@ class _Ladder:
       self._setups[step] = setup, Candidate(
           self.name, setup.config.train.micro_batch_size, fraction,
           self.place if fraction else "-", setup.offload.fraction if setup.offload else 0.0,
-          None, (host_rss_bytes() or 0) + host_memory.needed(setup).total,
+          None, self.baseline + host_memory.needed(setup).total,
           predict_s(setup, self.calibration, self.machine), tuple(overrides))
     return self._setups[step]
 
@@ -205,10 +216,11 @@ class _Ladder:
       compiled[step] = dataclasses.replace(candidate, device_bytes=device)
       return budgets.fits_device(compiled[step])
 
-    # The least offload first: where it fits, no bisection is needed.
+    # The most offload first: where it does not fit, nothing does. Then the least: where it
+    # fits, no bisection is needed.
+    if not fits(self.steps):
+      return dataclasses.replace(compiled[self.steps], verdict="no: device")
     step = self._least if fits(self._least) else _first(self._least + 1, self.steps, fits)
-    if step is None:
-      return dataclasses.replace(compiled[max(compiled)], verdict="no: device")
     return dataclasses.replace(compiled[step], verdict="fits" if budgets.fits_host(
         compiled[step]) else "no: host")
 
@@ -233,9 +245,11 @@ def _offload(fraction: float, place: str) -> list[str]:
 
 
 def _micro_batch_sizes(config: Config) -> list[int]:
-  """Every micro-batch size the global batch divides into, largest first."""
-  total = config.train.global_batch_size
-  return [size for size in range(total, 0, -1) if total % size == 0]
+  """The micro-batch sizes tried, largest first: the config's, twice it, a half and a quarter
+  of it, where the global batch divides into them."""
+  total, size = config.train.global_batch_size, config.train.micro_batch_size
+  return [s for s in dict.fromkeys((2 * size, size, size // 2, size // 4))
+          if 1 <= s <= total and total % s == 0]
 
 
 def _model(config: Config, overrides: list[str]):
