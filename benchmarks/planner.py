@@ -36,12 +36,13 @@ def plan_child(config_path: str, overrides: list[str]) -> dict:
 
 
 def train_child(config_path: str, overrides: list[str]) -> dict:
+  from jaxoffload.train import launch, load_config, run
+
+  config = load_config(config_path, overrides + ["logging.progress_bar=False"])
+  launch.set_xla_flags(config)  # Before JAX starts its backends, as the trainer's command does.
   import jax
 
-  from jaxoffload.train import load_config, run
-
-  result = run(load_config(config_path, overrides + ["logging.progress_bar=False"]),
-               log=lambda line: print(line, file=sys.stderr))
+  result = run(config, log=lambda line: print(line, file=sys.stderr))
   times = [r.step_s for r in result.records]
   return {"step_s": times, "median_step_s": statistics.median(times[1:] or times),
           "peak_device_bytes": jax.devices()[0].memory_stats().get("peak_bytes_in_use")

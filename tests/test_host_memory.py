@@ -52,9 +52,10 @@ def test_the_arithmetic_counts_every_shard_the_trainer_places_in_host_memory():
   assert need.held["optimizer state"] == pinned_shard_bytes(trainer.opt_state) > 0
   # Offloaded weights, and their gradients as they arrive in host memory.
   assert need.held["offloaded weights"] == 2 * pinned_shard_bytes(trainer.params)
-  # A checkpoint copies what is in device memory (but the step counts) to the host.
-  state = (trainer.params, trainer.opt_state)
-  assert need.transient["saving a checkpoint"] == shard_bytes(state, "device") > 0
+  # A save takes about the checkpoint's bytes of host memory: every shard it holds.
+  saved = trainer.checkpoint()
+  assert need.transient["saving a checkpoint"] == sum(
+      shard_bytes(saved, kind) for kind in ("device", "pinned_host")) > 0
 
 
 @pytest.mark.slow

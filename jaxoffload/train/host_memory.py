@@ -36,8 +36,8 @@ class HostBytes:
   Attributes:
     held: what stays allocated while it trains, by what holds it.
     transient: what one phase holds and then frees (loading the first weights,
-      one step's offloaded activations, a checkpoint's copy of the device's state);
-      only the largest counts.
+      one step's offloaded activations, a checkpoint's copy of the state); only the
+      largest counts.
   """
 
   held: dict[str, int]
@@ -86,7 +86,7 @@ def needed(setup: Setup) -> HostBytes:
   transfer = iter(setup.transfer_dtypes if setup.host_kernel else ())
   moment_bytes = sum(jnp.dtype(d).itemsize for d in rules.moment_dtypes(setup.config))
   summed = setup.micro_batches > 1
-  on_device = 0  # Bytes of state in this process's device memory.
+  saved = 0  # Bytes of the state a checkpoint holds, this process's shards.
   for shape, sharding, off, fetch in zip(shapes, shardings, offloaded, fetched):
     elements = local_elements(shape.shape, sharding)
     if off and setup.host_kernel:
@@ -99,12 +99,13 @@ def needed(setup: Setup) -> HostBytes:
       grads = (2 if o.delayed_update or summed else 1) * wire.itemsize
       held["host kernel state"] += elements * (pinned + grads)
       held["host kernel gradient sums"] += elements * unpinned
+      saved += elements * 12  # Its float32 weights and moments.
       continue
     if off:
       held["optimizer state"] += elements * moment_bytes
     if fetch:  # And their gradients, which arrive in host memory.
       held["offloaded weights"] += 2 * elements * shape.dtype.itemsize
-    on_device += elements * ((0 if fetch else shape.dtype.itemsize) + (0 if off else moment_bytes))
+    saved += elements * (shape.dtype.itemsize + moment_bytes)
   pinned = sum(held.values()) - held["host kernel gradient sums"]
   held["pinned allocator overhead"] = int(PINNED_POOL_SLACK * pinned)
   held["JAX runtime"] = RUNTIME_BYTES
@@ -114,9 +115,9 @@ def needed(setup: Setup) -> HostBytes:
                                            m.seq_length)
   transient = {"loading the first weights": weights.staging_bytes(setup),
                "offloaded activations": int(share * activations),
-               # Orbax copies the device's state to host memory, where it stays until the
-               # next step replaces it (host-resident state is saved in place).
-               "saving a checkpoint": on_device if setup.config.checkpoint.dir else 0}
+               # A save raises the host's memory by about the checkpoint's bytes
+               # (docs/performance.md#host-memory), device- and host-resident alike.
+               "saving a checkpoint": saved if setup.config.checkpoint.dir else 0}
   return HostBytes(held, transient)
 
 
