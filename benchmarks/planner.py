@@ -40,7 +40,7 @@ def train_child(config_path: str, overrides: list[str]) -> dict:
 
   config = load_config(config_path, overrides + ["logging.progress_bar=False"])
   launch.set_xla_flags(config)  # Before JAX starts its backends, as the trainer's command does.
-  import jax
+  import jax  # noqa: E402
 
   result = run(config, log=lambda line: print(line, file=sys.stderr))
   times = [r.step_s for r in result.records]

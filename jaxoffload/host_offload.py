@@ -85,15 +85,33 @@ def _read_scalar(value: Union[float, jax.Array]) -> float:
 def _shard_values(values: Any, like: jax.Array) -> list[np.ndarray]:
   """This process's shards of the whole leaf ``values`` (a JAX or numpy array), cut as
   ``like`` is and in its device order."""
-  if isinstance(values, jax.Array):
+  if isinstance(values, jax.Array) and values.sharding == like.sharding:
     return [np.asarray(shard.data) for shard in _sorted_shards(values)]
   indices = like.sharding.addressable_devices_indices_map(like.shape)
-  return [np.asarray(values[indices[shard.device]]) for shard in _sorted_shards(like)]
+  whole = np.asarray(values)
+  return [whole[indices[shard.device]] for shard in _sorted_shards(like)]
 
 
-def _zeros(like: jax.Array) -> jax.Array:
-  """Float32 zeros placed like ``like``, written where they live."""
-  return jax.jit(lambda: jnp.zeros(like.shape, jnp.float32), out_shardings=like.sharding)()
+def _moments_array(shards: Sequence[np.ndarray], like: jax.Array) -> jax.Array:
+  """A copy of one leaf's moment, per-shard numpy arrays cut like ``like``, as a JAX array
+  outside XLA's pinned pool (which never gives memory back): on the CPU backend, whole; or
+  placed like ``like`` where this process holds only some of the leaf's shards."""
+  if not like.is_fully_addressable:
+    return _gather(shards, like)
+  whole = np.empty(like.shape, np.float32)
+  indices = like.sharding.addressable_devices_indices_map(like.shape)
+  for values, shard in zip(shards, _sorted_shards(like)):
+    whole[indices[shard.device]] = values
+  return jax.device_put(whole, jax.devices("cpu")[0])
+
+
+def _gather(shards: Sequence[np.ndarray], like: jax.Array) -> jax.Array:
+  """Per-shard numpy arrays as one JAX array placed like ``like``."""
+  # Copies: device_put may keep using a numpy array's memory, and these change.
+  placed = [jax.device_put(values.copy(), jax.sharding.SingleDeviceSharding(
+      shard.device, memory_kind=like.sharding.memory_kind))
+            for values, shard in zip(shards, _sorted_shards(like))]
+  return jax.make_array_from_single_device_arrays(like.shape, like.sharding, placed)
 
 
 def host_bytes_per_element(device_dtype: Any = jnp.float32, *, delayed: bool = False,
@@ -106,18 +124,18 @@ def host_bytes_per_element(device_dtype: Any = jnp.float32, *, delayed: bool = F
     summed: whether ``accumulate`` sums micro-batches' gradients.
 
   Returns:
-    ``(pinned, unpinned)``: the float32 weights, the copies the device reads and
-    the two float32 moments; and the gradients' float32 sums when ``summed``.
+    ``(pinned, unpinned)``: the float32 weights and the copies the device reads,
+    and the two float32 moments (with the gradients' float32 sums when ``summed``).
 
   Example:
-    >>> pinned, unpinned = host_bytes_per_element(jnp.bfloat16)  # (14, 0)
+    >>> pinned, unpinned = host_bytes_per_element(jnp.bfloat16)  # (6, 8)
   """
   device_dtype = jnp.dtype(device_dtype)
   buffers = 2 if delayed else 1  # As _place keeps them.
-  unpinned = 4 if summed else 0
+  unpinned = 8 + (4 if summed else 0)
   if device_dtype == jnp.bfloat16 or predict_weights:
-    return 4 + buffers * device_dtype.itemsize + 8, unpinned
-  return 4 * buffers + 8, unpinned
+    return 4 + buffers * device_dtype.itemsize, unpinned
+  return 4 * buffers, unpinned
 
 
 class HostAdamW:
@@ -173,11 +191,9 @@ class HostAdamW:
     self.delay_after = delay_after
     self.predict_weights = predict_weights
     self._place(params)
-    # The moments live beside the weights, in arrays of their placement that the kernel
-    # updates in place: a checkpoint saves them as they are, taking no host memory.
-    self._moments = [[_zeros(w) for w in self.weights] for _ in range(2)]
-    jax.block_until_ready(self._moments)
-    self._mu, self._nu = ([_shard_views(m) for m in moments] for moments in self._moments)
+    # Only the host reads the moments: plain host memory, outside XLA's pinned pool.
+    self._mu = [[np.zeros_like(v) for v in views[0]] for views in self._weight_views]
+    self._nu = [[np.zeros_like(v) for v in views[0]] for views in self._weight_views]
     self._held: Optional[tuple[Sequence[jax.Array], jax.Array]] = None
     # Per leaf and shard, the float32 sums of accumulate(); _summed: they hold this step's.
     self._sums: Optional[list[list[np.ndarray]]] = None
@@ -225,8 +241,9 @@ class HostAdamW:
 
   @property
   def unpinned_bytes(self) -> int:
-    """Host memory outside the pinned pool: the gradient sums, once allocated."""
-    return sum(t.nbytes for leaf in self._sums or [] for t in leaf)
+    """Host memory outside the pinned pool: the moments, and the gradient sums once
+    allocated."""
+    return self.moment_bytes + sum(t.nbytes for leaf in self._sums or [] for t in leaf)
 
   @property
   def weight_bytes(self) -> int:
@@ -235,10 +252,9 @@ class HostAdamW:
 
   @property
   def pinned_bytes(self) -> int:
-    """Pinned host memory of the weights, the copies the device reads and the moments, every
-    shard's."""
-    return self.moment_bytes + sum(shard.data.nbytes for leaf in self._weights + self._copies
-                                   for a in leaf for shard in a.addressable_shards)
+    """Pinned host memory of the weights and the copies the device reads, every shard's."""
+    return sum(shard.data.nbytes for leaf in self._weights + self._copies for a in leaf
+               for shard in a.addressable_shards)
 
   @property
   def params(self) -> list[jax.Array]:
@@ -328,9 +344,9 @@ class HostAdamW:
     continues exactly.
 
     Args:
-      copy: new arrays that later updates leave alone. With False, the live buffers
-        themselves: no host memory is taken, but the save must finish before the
-        next ``update``.
+      copy: weights in new arrays that later updates leave alone. With False, the live
+        weights themselves, which the save must have written before the next
+        ``update``. The moments are always copies, outside XLA's pinned pool.
     """
     # With copy, copied before returning: with bfloat16 copies the next update
     # rewrites these float32 weights in place, ordered after no device work.
@@ -338,7 +354,8 @@ class HostAdamW:
     state = {"count": np.array(self.count, np.int64), "params": arrays(self.weights),
              # Predicted weights cannot be made again from the weights.
              **({"device_params": arrays(self.params)} if self.predict_weights else {}),
-             "mu": arrays(self._moments[0]), "nu": arrays(self._moments[1])}
+             "mu": [_moments_array(shards, p) for shards, p in zip(self._mu, self.weights)],
+             "nu": [_moments_array(shards, p) for shards, p in zip(self._nu, self.weights)]}
     if self._held is not None:
       state["held_grads"], state["held_scale"] = list(self._held[0]), jnp.asarray(self._held[1])
     return state

@@ -74,12 +74,11 @@ def test_the_host_kernel_arithmetic_is_what_it_allocates(micro_batches):
     host_grads = trainer._micro_step(trainer.params, trainer.host_params, trainer._zero_sums(),
                                      tokens, 0)[1]
   need = needed(setup)
-  # The sums of the micro-batches' gradients: half the moments' bytes.
-  assert need.held["host kernel gradient sums"] == trainer.host.unpinned_bytes
-  assert trainer.host.unpinned_bytes == (micro_batches > 1) / 2 * trainer.host.moment_bytes
-  # The weights, their copies, the moments, and one step's gradients, or two micro-batches'
-  # in flight.
-  assert need.held["host kernel state"] == (
+  # The moments, and the sums of the micro-batches' gradients: half the moments' bytes.
+  assert need.held["host kernel moments and sums"] == trainer.host.unpinned_bytes
+  assert trainer.host.unpinned_bytes == (1 + (micro_batches > 1) / 2) * trainer.host.moment_bytes
+  # The weights, their copies, and one step's gradients, or two micro-batches' in flight.
+  assert need.held["host kernel weights and copies"] == (
       trainer.host.pinned_bytes + micro_batches * sum(g.nbytes for g in host_grads))
   assert need.held["optimizer state"] == 0
 
@@ -110,3 +109,17 @@ def test_the_budget_is_the_limit_less_what_the_process_holds_else_the_machines(t
   meminfo.write_text("MemTotal:  1000 kB\nMemAvailable:   512 kB\nHugePages_Total:       0\n")
   assert _read_keyed(str(meminfo)) == {"MemTotal": 1000, "MemAvailable": 512,
                                        "HugePages_Total": 0}
+
+
+def test_a_run_pinning_more_than_xlas_pinned_pool_gives_is_refused(monkeypatch):
+  # On a GPU, XLA's pinned pool stops at XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (64 GiB unset):
+  # a step that needs more would fail mid-run.
+  from jaxoffload.train import host_memory
+  setup = resolve(load_config(None, OFFLOAD))
+  need = needed(setup)
+  assert need.pinned >= need.held["optimizer state"] > 0
+  monkeypatch.setattr(host_memory, "pinned_pool_limit", lambda: 1000)
+  with pytest.raises(ConfigError, match=r"^host memory: this run pins about .* of host memory "
+                                        r"per GPU, more than XLA's pinned pool gives \(0 MB, "
+                                        r"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB\); set that variable"):
+    host_memory.check(setup)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Any, Optional
 
 import jax
@@ -27,6 +28,9 @@ from jaxoffload.train.resolve import Setup
 # (docs/performance.md#host-memory).
 PINNED_POOL_SLACK = 1 / 8
 RUNTIME_BYTES = 2 * 2**30
+# XLA's pinned pool on GPUs stops at 64 GiB unless this variable says otherwise.
+PINNED_POOL_VARIABLE = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+DEFAULT_PINNED_POOL_GIB = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,10 +42,12 @@ class HostBytes:
     transient: what one phase holds and then frees (loading the first weights,
       one step's offloaded activations, a checkpoint's copy of the state); only the
       largest counts.
+    pinned: of what is held, the bytes in XLA's pinned pool (every local device's).
   """
 
   held: dict[str, int]
   transient: dict[str, int]
+  pinned: int = 0
 
   @property
   def total(self) -> int:
@@ -56,10 +62,10 @@ class HostBytes:
 KEYS = {
     "optimizer state": "optimizer.optimizer_offload_fraction, optimizer.exp_avg_dtype=bfloat16, "
                        "optimizer.exp_avg_sq_dtype=bfloat16",
-    "host kernel state": "optimizer.optimizer_offload_fraction, "
-                         "optimizer.optimizer_offload_update_on=device",
-    "host kernel gradient sums": "train.micro_batch_size=train.global_batch_size, "
-                                 "optimizer.optimizer_offload_fraction",
+    "host kernel weights and copies": "optimizer.optimizer_offload_fraction, "
+                                      "optimizer.optimizer_offload_update_on=device",
+    "host kernel moments and sums": "optimizer.optimizer_offload_fraction, "
+                                    "train.micro_batch_size=train.global_batch_size",
     "offloaded weights": "model.cpu_offloading_num_layers, model.cpu_offloading_weights",
     "offloaded activations": "model.cpu_offloading_num_layers, train.micro_batch_size",
 }
@@ -97,8 +103,8 @@ def needed(setup: Setup) -> HostBytes:
       # Each step's gradients arrive in pinned memory; a delayed update holds one more, and
       # so do micro-batches summed on the host (the next arrive while the last are added).
       grads = (2 if o.delayed_update or summed else 1) * wire.itemsize
-      held["host kernel state"] += elements * (pinned + grads)
-      held["host kernel gradient sums"] += elements * unpinned
+      held["host kernel weights and copies"] += elements * (pinned + grads)
+      held["host kernel moments and sums"] += elements * unpinned
       saved += elements * 12  # Its float32 weights and moments.
       continue
     if off:
@@ -106,7 +112,7 @@ def needed(setup: Setup) -> HostBytes:
     if fetch:  # And their gradients, which arrive in host memory.
       held["offloaded weights"] += 2 * elements * shape.dtype.itemsize
     saved += elements * (shape.dtype.itemsize + moment_bytes)
-  pinned = sum(held.values()) - held["host kernel gradient sums"]
+  pinned = sum(held.values()) - held["host kernel moments and sums"]
   held["pinned allocator overhead"] = int(PINNED_POOL_SLACK * pinned)
   held["JAX runtime"] = RUNTIME_BYTES
   share = jax.local_device_count() / jax.device_count()
@@ -118,7 +124,7 @@ def needed(setup: Setup) -> HostBytes:
                # A save raises the host's memory by about the checkpoint's bytes
                # (docs/performance.md#host-memory), device- and host-resident alike.
                "saving a checkpoint": saved if setup.config.checkpoint.dir else 0}
-  return HostBytes(held, transient)
+  return HostBytes(held, transient, pinned + held["pinned allocator overhead"])
 
 
 def available(limit: Optional[int]) -> tuple[int, str]:
@@ -139,6 +145,14 @@ def available(limit: Optional[int]) -> tuple[int, str]:
   return min(figures) if figures else (2**63, "no limit found")
 
 
+def pinned_pool_limit() -> Optional[int]:
+  """The bytes XLA's pinned pool gives each GPU (``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB``, 64 GiB
+  unless set before JAX started); None on other backends."""
+  if jax.default_backend() != "gpu":
+    return None
+  return int(float(os.environ.get(PINNED_POOL_VARIABLE, DEFAULT_PINNED_POOL_GIB)) * 2**30)
+
+
 def check(setup: Setup) -> HostBytes:
   """What ``needed`` says, once it is known to fit.
 
@@ -152,6 +166,13 @@ def check(setup: Setup) -> HostBytes:
     optimizer state 48.2 GB, offloaded activations 3.1 GB, pinned allocator overhead 6.0 GB, ...
   """
   need = needed(setup)
+  pool, per_device = pinned_pool_limit(), need.pinned // jax.local_device_count()
+  if pool is not None and per_device > pool:
+    raise ConfigError(
+        f"host memory: this run pins about {size(per_device)} of host memory per GPU, more than "
+        f"XLA's pinned pool gives ({size(pool)}, {PINNED_POOL_VARIABLE}); set that variable "
+        f"higher before starting, or lower the pinned bytes with "
+        f"{KEYS['optimizer state']}")
   limit = setup.config.train.host_memory_limit
   have, source = available(None if limit is None else parse_bytes(limit))
   if need.total <= have:

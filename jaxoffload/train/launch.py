@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import math
 import os
 
 import jax
 
-from jaxoffload.memory import parse_bytes
 from jaxoffload.train.config import Config
 
 # Megatron's CUDA graphs, in XLA's terms: command buffers that capture loops and
@@ -16,33 +14,10 @@ COMMAND_BUFFER_FLAG = ("--xla_gpu_enable_command_buffer="
                        "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL")
 
 
-# XLA's pinned host pool on GPUs stops at 64 GB unless told otherwise.
-PINNED_POOL_VARIABLE = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
-
-
 def set_xla_flags(config: Config) -> None:
-  """Adds the XLA flags the config asks for, and lets XLA's pinned host pool grow to the host
-  memory the run may use (the host-memory guard, not the pool's default cap, decides what
-  fits); they act only if JAX has not started its backends."""
+  """Adds the XLA flags the config asks for; they act only if JAX has not started its backends."""
   if config.model.cuda_graph_impl != "none":
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {COMMAND_BUFFER_FLAG}".strip()
-  if PINNED_POOL_VARIABLE not in os.environ:
-    limit = config.train.host_memory_limit
-    size = parse_bytes(limit) if limit is not None else _memory_total()
-    if size:
-      os.environ[PINNED_POOL_VARIABLE] = str(math.ceil(size / 2**30))
-
-
-def _memory_total() -> int | None:
-  """The machine's memory in bytes (MemTotal), None where it does not say."""
-  try:
-    with open("/proc/meminfo") as f:
-      for line in f:
-        if line.startswith("MemTotal:"):
-          return int(line.split()[1]) * 1024
-  except (OSError, ValueError, IndexError):
-    pass
-  return None
 
 
 def start_processes(config: Config) -> None:
