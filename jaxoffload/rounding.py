@@ -1,4 +1,4 @@
-"""Stochastic rounding of float32 to bfloat16, for optimizer state kept in bfloat16.
+"""Stochastic rounding of float32 to bfloat16, for optimizer state and parameters kept in bfloat16.
 
 Adam's second moment decays by ``b2`` (0.999) each step: a relative change of
 0.1%, below bfloat16's half step (0.4%), so rounding to nearest leaves it where
@@ -57,3 +57,26 @@ def stochastic_round(x: jax.Array, salt: Any, dtype: Any = jnp.bfloat16) -> jax.
   # them with probability (the cut-off bits) / 2**16, then the cut is exact.
   rounded = (bits + noise) & jnp.uint32(0xFFFF0000)
   return jax.lax.bitcast_convert_type(rounded, jnp.float32).astype(jnp.bfloat16)
+
+
+def apply_updates(params: Any, updates: Any, salt: Any) -> Any:
+  """``optax.apply_updates``, with bfloat16 parameters rounded stochastically.
+
+  A bfloat16 parameter keeps 8 bits of mantissa: an update below half its step
+  is lost when rounded to nearest, and a long run of them never moves it.
+  Here ``p + u`` is computed in float32 and rounded up or down in proportion, so
+  that the parameter moves by ``u`` in expectation; other dtypes are as optax's.
+
+  Args:
+    params, updates: trees of one structure.
+    salt: an integer that changes each step (the update count).
+
+  Example:
+    >>> params = apply_updates(params, updates, salt=count)
+  """
+  def apply(p, u):
+    if p.dtype != jnp.bfloat16:
+      return (p + u).astype(p.dtype)
+    return stochastic_round(p.astype(jnp.float32) + u.astype(jnp.float32), salt)
+
+  return jax.tree.map(apply, params, updates)

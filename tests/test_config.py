@@ -173,6 +173,10 @@ def test_every_shipped_config_trains_at_a_tiny_width(path):
     (["optimizer.delayed_update_after=-1", "optimizer.delayed_update=True",
       "optimizer.optimizer_offload_update_on=host_kernel"],
      "optimizer.delayed_update_after must be >= 0, got -1"),
+    (["optimizer.main_params_dtype=bfloat16"],
+     "optimizer.main_params_dtype=bfloat16 with model.params_dtype=float32: jaxoffload keeps no "
+     "second copy of the parameters; set both to float32 (the model computes in model.dtype) "
+     "or both to bfloat16 (updates rounded stochastically)"),
     (["optimizer.offload_transfer_dtype=float16"],
      "optimizer.offload_transfer_dtype must be one of ['float32', 'bfloat16'], got 'float16'"),
     (["optimizer.offload_transfer_dtype=bfloat16", "model.dtype=bfloat16"],

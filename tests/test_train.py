@@ -301,3 +301,15 @@ def test_a_trainer_of_shapes_compiles_the_same_step_and_allocates_nothing(overri
     for field in ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
                   "temp_size_in_bytes"):
       assert getattr(want.memory_analysis(), field) == getattr(got.memory_analysis(), field)
+
+
+@pytest.mark.slow
+def test_bfloat16_parameters_train_with_stochastically_rounded_updates(baseline_losses):
+  overrides = [f"train.train_iters={STEPS}", "model.params_dtype=bfloat16",
+               "optimizer.main_params_dtype=bfloat16"]
+  setup = resolve(load_config(None, overrides))
+  trainer = Trainer(setup)
+  assert {p.dtype for p in trainer.params} == {jnp.dtype(jnp.bfloat16)}
+  losses = train(load_config(None, overrides), log=QUIET)
+  # Within bfloat16's rounding of the float32 run's losses.
+  np.testing.assert_allclose(losses, baseline_losses, rtol=1e-2)

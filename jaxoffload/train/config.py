@@ -126,6 +126,11 @@ class OptimizerConfig:
       stochastically (``jaxoffload.rounding``) so that training tracks float32
       ([performance](performance.md#compact-optimizer-state)); not with host_kernel.
     exp_avg_sq_dtype: the same for the second moment.
+    main_params_dtype: dtype of the parameters the optimizer updates (Megatron-Core's
+      name); null: model.params_dtype, which it must equal: jaxoffload keeps no second
+      copy of the parameters (with float32 parameters the model computes in
+      model.dtype). bfloat16 halves the parameters' memory and rounds each update
+      stochastically (``jaxoffload.rounding.apply_updates``), as bfloat16 moments are.
     use_torch_optimizer_for_cpu_offload: there is no torch here: True is refused,
       naming optimizer_offload_update_on.
     use_distributed_optimizer: optimizer state sharded over the devices, which in
@@ -152,6 +157,7 @@ class OptimizerConfig:
   offload_transfer_dtype: str = "float32"
   exp_avg_dtype: Optional[str] = None
   exp_avg_sq_dtype: Optional[str] = None
+  main_params_dtype: Optional[str] = None
   use_torch_optimizer_for_cpu_offload: bool = False
   use_distributed_optimizer: bool = False
 

@@ -59,8 +59,8 @@ def moment_dtypes(config: Config) -> tuple[str, str]:
 
 
 def compact_moments(config: Config) -> bool:
-  """Whether a moment is stored in another dtype than the parameters (rounded stochastically)."""
-  return moment_dtypes(config) != (config.model.params_dtype,) * 2
+  """Whether a moment is stored in bfloat16 (rounded stochastically)."""
+  return "bfloat16" in moment_dtypes(config)
 
 
 def warnings(config: Config, backend: str) -> list[str]:
@@ -106,6 +106,13 @@ def _check_choices(config: Config) -> None:
   _one_of("optimizer.offload_transfer_dtype", o.offload_transfer_dtype, DTYPES)
   _one_of("optimizer.exp_avg_dtype", o.exp_avg_dtype, (None,) + DTYPES)
   _one_of("optimizer.exp_avg_sq_dtype", o.exp_avg_sq_dtype, (None,) + DTYPES)
+  _one_of("optimizer.main_params_dtype", o.main_params_dtype, (None,) + DTYPES)
+  if o.main_params_dtype not in (None, m.params_dtype):
+    raise ConfigError(
+        f"optimizer.main_params_dtype={o.main_params_dtype} with model.params_dtype="
+        f"{m.params_dtype}: jaxoffload keeps no second copy of the parameters; set both to "
+        f"float32 (the model computes in model.dtype) or both to bfloat16 (updates rounded "
+        f"stochastically)")
   _one_of("data.dataset", config.data.dataset, DATASETS)
 
 

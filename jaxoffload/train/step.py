@@ -25,7 +25,7 @@ import optax
 from jax.experimental import multihost_utils
 from optax import tree_utils as otu
 
-from jaxoffload import remat
+from jaxoffload import remat, rounding
 from jaxoffload._compat import DEVICE_KIND, PINNED_HOST, to_device, to_host
 from jaxoffload.host_offload import HostAdamW
 from jaxoffload.memory import compiled_device_bytes
@@ -348,7 +348,9 @@ class Trainer:
       clip_factor = to_host(jnp.where(grad_norm < max_norm, 1.0, max_norm / grad_norm))
     device_params = jax.tree.map(to_device, params)
     updates, opt_state = self._opt.update(grads, opt_state, device_params)
-    new_params = optax.apply_updates(device_params, updates)
+    # bfloat16 parameters move by their updates in expectation (optimizer.main_params_dtype).
+    count = otu.tree_get_all_with_path(opt_state, "count")[0][1]
+    new_params = rounding.apply_updates(device_params, updates, count)
     new_params = jax.tree.map(lambda p, fetched: to_host(p) if fetched else p, new_params,
                               setup.fetched_by_model)
     return self._device_only(jax.tree.leaves(new_params)), opt_state, grad_norm, clip_factor
