@@ -42,8 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxoffload import host_adam
-from jaxoffload._compat import to_device, to_host
+from jaxoffload import host_adam, host_arrays
 
 Schedule = Union[float, Callable[[int], float]]
 
@@ -51,67 +50,6 @@ Schedule = Union[float, Callable[[int], float]]
 # schedule evaluated at each update would queue behind the device step in
 # flight, and the delayed update would wait for that step to finish.
 _SCHEDULE_TABLE = 1024
-
-
-def _sorted_shards(array: jax.Array) -> list:
-  return sorted(array.addressable_shards, key=lambda s: s.device.id)
-
-
-def _shard_views(array: jax.Array) -> list[np.ndarray]:
-  """Writable views of the array's addressable shards, in a fixed (device) order."""
-  return [host_adam.writable_view(shard.data) for shard in _sorted_shards(array)]
-
-
-def _copy(array: jax.Array, dtype=None) -> jax.Array:
-  """A new array with ``array``'s values (cast to ``dtype``) and placement, made by a computation."""
-  # Cast on the device: XLA would run a cast in host memory on one host core.
-  cast = lambda x: to_host(to_device(x).astype(dtype)) if dtype else jnp.copy(x)
-  return jax.jit(cast, out_shardings=array.sharding)(array)
-
-
-def _read_scalar(value: Union[float, jax.Array]) -> float:
-  """A ready scalar's value; read in place from host memory when it is there.
-
-  Converting a device scalar goes through a transfer, which may queue behind
-  the device step in flight.
-  """
-  if isinstance(value, jax.Array):
-    shard = value.addressable_shards[0]
-    if value.sharding.memory_kind == "pinned_host" or shard.device.platform == "cpu":
-      return float(host_adam.writable_view(shard.data))
-  return float(np.asarray(value))
-
-
-def _shard_values(values: Any, like: jax.Array) -> list[np.ndarray]:
-  """This process's shards of the whole leaf ``values`` (a JAX or numpy array), cut as
-  ``like`` is and in its device order."""
-  if isinstance(values, jax.Array) and values.sharding == like.sharding:
-    return [np.asarray(shard.data) for shard in _sorted_shards(values)]
-  indices = like.sharding.addressable_devices_indices_map(like.shape)
-  whole = np.asarray(values)
-  return [whole[indices[shard.device]] for shard in _sorted_shards(like)]
-
-
-def _moments_array(shards: Sequence[np.ndarray], like: jax.Array) -> jax.Array:
-  """A copy of one leaf's moment, per-shard numpy arrays cut like ``like``, as a JAX array
-  outside XLA's pinned pool (which never gives memory back): on the CPU backend, whole; or
-  placed like ``like`` where this process holds only some of the leaf's shards."""
-  if not like.is_fully_addressable:
-    return _gather(shards, like)
-  whole = np.empty(like.shape, np.float32)
-  indices = like.sharding.addressable_devices_indices_map(like.shape)
-  for values, shard in zip(shards, _sorted_shards(like)):
-    whole[indices[shard.device]] = values
-  return jax.device_put(whole, jax.devices("cpu")[0])
-
-
-def _gather(shards: Sequence[np.ndarray], like: jax.Array) -> jax.Array:
-  """Per-shard numpy arrays as one JAX array placed like ``like``."""
-  # Copies: device_put may keep using a numpy array's memory, and these change.
-  placed = [jax.device_put(values.copy(), jax.sharding.SingleDeviceSharding(
-      shard.device, memory_kind=like.sharding.memory_kind))
-            for values, shard in zip(shards, _sorted_shards(like))]
-  return jax.make_array_from_single_device_arrays(like.shape, like.sharding, placed)
 
 
 def host_bytes_per_element(device_dtype: Any = jnp.float32, *, delayed: bool = False,
@@ -212,16 +150,16 @@ class HostAdamW:
           w.addressable_shards):
         # Replicas sharing one buffer (jax.device_put of numpy on the CPU backend): the
         # kernel would update it once per shard.
-        w = _copy(w)
+        w = host_arrays.copy(w)
       if dtype == jnp.bfloat16 or self.predict_weights:
         self._weights.append([w])
-        self._copies.append([_copy(w, dtype) for _ in range(buffers)])
+        self._copies.append([host_arrays.copy(w, dtype) for _ in range(buffers)])
       else:
-        self._weights.append([w] + [_copy(w) for _ in range(buffers - 1)])
+        self._weights.append([w] + [host_arrays.copy(w) for _ in range(buffers - 1)])
         self._copies.append([])
     jax.block_until_ready((self._weights, self._copies))
-    self._weight_views = [[_shard_views(w) for w in leaf] for leaf in self._weights]
-    self._copy_views = [[_shard_views(c) for c in leaf] for leaf in self._copies]
+    self._weight_views = [[host_arrays.shard_views(w) for w in leaf] for leaf in self._weights]
+    self._copy_views = [[host_arrays.shard_views(c) for c in leaf] for leaf in self._copies]
     self._current = 0
 
   def __str__(self) -> str:
@@ -322,8 +260,8 @@ class HostAdamW:
                     for views in self._weight_views]
     squares = 0.0
     for sums, grad in zip(self._sums, grads):
-      first_replicas = [shard.replica_id == 0 for shard in _sorted_shards(grad)]
-      for total, view, counted in zip(sums, _shard_views(grad), first_replicas):
+      first_replicas = [shard.replica_id == 0 for shard in host_arrays.sorted_shards(grad)]
+      for total, view, counted in zip(sums, host_arrays.shard_views(grad), first_replicas):
         squares += host_adam.accumulate(total, view, first=not self._summed,
                                         square_sum=square_sum and counted)
     self._summed = True
@@ -350,12 +288,14 @@ class HostAdamW:
     """
     # With copy, copied before returning: with bfloat16 copies the next update
     # rewrites these float32 weights in place, ordered after no device work.
-    arrays = (lambda xs: jax.block_until_ready([_copy(x) for x in xs])) if copy else list
+    arrays = ((lambda xs: jax.block_until_ready([host_arrays.copy(x) for x in xs])) if copy
+              else list)
     state = {"count": np.array(self.count, np.int64), "params": arrays(self.weights),
              # Predicted weights cannot be made again from the weights.
              **({"device_params": arrays(self.params)} if self.predict_weights else {}),
-             "mu": [_moments_array(shards, p) for shards, p in zip(self._mu, self.weights)],
-             "nu": [_moments_array(shards, p) for shards, p in zip(self._nu, self.weights)]}
+             **{name: [host_arrays.whole_copy(shards, p) for shards, p in zip(moments,
+                                                                              self.weights)]
+                for name, moments in (("mu", self._mu), ("nu", self._nu))}}
     if self._held is not None:
       state["held_grads"], state["held_scale"] = list(self._held[0]), jnp.asarray(self._held[1])
     return state
@@ -375,7 +315,7 @@ class HostAdamW:
   def load(self, state: dict) -> None:
     """Continues from a state ``checkpoint`` made (restored into ``checkpoint_target``)."""
     # Copies the kernel may write: XLA's own buffers, never read into numpy.
-    self._place([_copy(p) for p in state["params"]])
+    self._place([host_arrays.copy(p) for p in state["params"]])
     self.load_moments(state)
 
   def load_moments(self, state: dict) -> None:
@@ -392,7 +332,7 @@ class HostAdamW:
       saved_views.append((state["device_params"], [c[0] for c in self._copy_views]))
     for saved, views in saved_views:
       for values, shards, like in zip(saved, views, self.weights):
-        for shard, part in zip(shards, _shard_values(values, like)):
+        for shard, part in zip(shards, host_arrays.shard_values(values, like)):
           shard[...] = part
     self.count = int(state["count"])
     self._rates_start, self._rates = self.count, self._schedule_table(self.count)
@@ -403,7 +343,7 @@ class HostAdamW:
     """Copies of the current float32 weights as numpy arrays (for checks and checkpoints)."""
     # Through a computation: converting the live arrays would make JAX keep
     # that conversion and show it again after the next in-place update.
-    return [np.asarray(_copy(p)) for p in self.weights]
+    return [np.asarray(host_arrays.copy(p)) for p in self.weights]
 
   def _schedule_table(self, start: int) -> np.ndarray:
     """The learning rates of updates ``start + 1`` to ``start + _SCHEDULE_TABLE``."""
@@ -425,14 +365,14 @@ class HostAdamW:
     """Applies ``grads`` to the current weights, writing the buffers the device reads as ``into``
     (with ``predict``, the weights one more such update ahead)."""
     jax.block_until_ready((grads, grad_scale))
-    scale = _read_scalar(grad_scale)
+    scale = host_arrays.read_scalar(grad_scale)
     self.count += 1
     learning_rate = self._learning_rate(self.count - 1)
     for leaf, grad in enumerate(grads):
       weights, copies = self._weight_views[leaf], self._copy_views[leaf]
       source, target = weights[self._current % len(weights)], weights[into % len(weights)]
       # A leaf's gradient: an array in host memory, or a sum's shards.
-      views = grad if isinstance(grad, list) else _shard_views(grad)
+      views = grad if isinstance(grad, list) else host_arrays.shard_views(grad)
       for shard, grad_view in enumerate(views):
         host_adam.adamw_update(source[shard], grad_view, self._mu[leaf][shard],
                                self._nu[leaf][shard], learning_rate=learning_rate,

@@ -125,7 +125,8 @@ def test_summing_on_the_host_keeps_the_host_kernels_weights_and_gradients_off_th
   shape = [f"model.{k}={v}" for k, v in dict(
       vocab_size=512, hidden_size=1024, intermediate_size=2816, num_layers=4,
       num_attention_heads=8, num_query_groups=2, seq_length=1024, dtype="bfloat16").items()]
-  base = shape + ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=1.0",
+  base = shape + ["optimizer.optimizer_cpu_offload=True",
+                  "optimizer.optimizer_offload_fraction=1.0",
                   "optimizer.optimizer_offload_update_on=host_kernel",
                   "optimizer.offload_transfer_dtype=bfloat16", "model.recompute_granularity=full",
                   "train.micro_batch_size=2"]

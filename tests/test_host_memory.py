@@ -69,9 +69,9 @@ def test_the_host_kernel_arithmetic_is_what_it_allocates(micro_batches):
   trainer.step(setup.global_batch(0))
   tokens = setup.global_batch(1)
   if micro_batches == 1:
-    host_grads = trainer._step(trainer.params, trainer.host_params, trainer.opt_state, tokens)[4]
+    host_grads = trainer.programs.step(trainer.params, trainer.host_params, trainer.opt_state, tokens)[4]
   else:
-    host_grads = trainer._micro_step(trainer.params, trainer.host_params, trainer._zero_sums(),
+    host_grads = trainer.programs.micro_step(trainer.params, trainer.host_params, trainer.programs.zero_sums(),
                                      tokens, 0)[1]
   need = needed(setup)
   # The moments, and the sums of the micro-batches' gradients: half the moments' bytes.

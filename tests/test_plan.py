@@ -21,9 +21,9 @@ MACHINE = autoplace.Machine(host_to_device=50e9, device_to_host=50e9, kernel_rat
                             kernel_threads=16, sum_rate=10e9)
 # Recomputing costs more than saving; offloading q/k/v costs more still.
 CALIBRATION = timing.Calibration(
-    micro_batch_size=8, fixed_s=0.010, layer_s={"save": 0.004, "recompute": 0.005,
-                                                "offload qkv": 0.006, "offload qkv + weights": 0.008},
-    overhead=0.25, device_bandwidth=1e12)
+    micro_batch_size=8, fixed_s=0.010, overhead=0.25, device_bandwidth=1e12,
+    layer_s={"save": 0.004, "recompute": 0.005, "offload qkv": 0.006,
+             "offload qkv + weights": 0.008})
 TEMPORARIES = 10**6
 
 

@@ -125,7 +125,7 @@ def test_train_step_compiles_once(overrides):
   trainer = Trainer(setup)
   for i in range(3):
     trainer.step(setup.global_batch(i))
-  assert trainer._step._cache_size() == 1
+  assert trainer.programs.step._cache_size() == 1
 
 
 @pytest.mark.slow
@@ -206,7 +206,7 @@ def test_bfloat16_transfers_change_no_loss_and_keep_norm_scales_float32():
   assert train(halved, log=QUIET) == train(load_config(None, overrides), log=QUIET)
   setup = resolve(halved)
   trainer = Trainer(setup)
-  *_, grads, _ = trainer._step(trainer.params, trainer.host_params, trainer.opt_state,
+  *_, grads, _ = trainer.programs.step(trainer.params, trainer.host_params, trainer.opt_state,
                                setup.global_batch(0))
   paths = jax.tree_util.tree_flatten_with_path(setup.param_shapes)[0]
   norm_scales = [leaf_path(path).endswith("norm/scale") for path, _ in paths]
@@ -224,7 +224,7 @@ def test_host_kernel_step_leaves_what_the_host_reads_in_host_memory():
   setup = resolve(load_config(None, [*HOST_KERNEL[:1], "optimizer.optimizer_offload_fraction=1.0",
                                      *HOST_KERNEL[2:]]))
   trainer = Trainer(setup)
-  *_, grads, clip_factor = trainer._step(trainer.params, trainer.host_params, trainer.opt_state,
+  *_, grads, clip_factor = trainer.programs.step(trainer.params, trainer.host_params, trainer.opt_state,
                                          setup.global_batch(0))
   assert {g.sharding.memory_kind for g in grads} == {"pinned_host"}
   assert clip_factor.sharding.memory_kind == "pinned_host"

@@ -25,7 +25,7 @@ def main(argv: Optional[list[str]] = None) -> None:
   try:
     config = load_config(args.config, args.overrides)
     budgets = planner.budgets_of(config, args.device_memory)
-    print(f"device budget "
+    print("device budget "
           + ("unknown (on a CPU, XLA counts every buffer as device memory)"
              if budgets.device is None else host_memory.size(budgets.device))
           + f", host budget {host_memory.size(budgets.host)}")

@@ -240,7 +240,8 @@ def _first(low: int, high: int, holds: Callable[[int], bool]) -> Optional[int]:
 def _offload(fraction: float, place: str) -> list[str]:
   if not fraction:
     return ["optimizer.optimizer_cpu_offload=False", "optimizer.optimizer_offload_fraction=0.0"]
-  return ["optimizer.optimizer_cpu_offload=True", f"optimizer.optimizer_offload_fraction={fraction}",
+  return ["optimizer.optimizer_cpu_offload=True",
+          f"optimizer.optimizer_offload_fraction={fraction}",
           f"optimizer.optimizer_offload_update_on={place}"]
 
 
