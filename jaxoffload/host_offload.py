@@ -76,6 +76,26 @@ def host_bytes_per_element(device_dtype: Any = jnp.float32, *, delayed: bool = F
   return 4 * buffers, unpinned
 
 
+def checkpoint_target(weights: Sequence[Any], device_dtypes: Sequence[Any], *,
+                      delayed: bool = False, predict_weights: bool = False) -> dict:
+  """What ``HostAdamW.checkpoint`` returns, as shapes and placements (orbax's restore target),
+  before any ``HostAdamW`` exists.
+
+  Args:
+    weights: the leaves' float32 weights, or ``jax.ShapeDtypeStruct``s placed like them.
+    device_dtypes, delayed, predict_weights: as ``HostAdamW``'s.
+  """
+  like = lambda p, dtype=jnp.float32: jax.ShapeDtypeStruct(p.shape, dtype, sharding=p.sharding)
+  state = {"count": np.array(0, np.int64), "params": [like(p) for p in weights],
+           "mu": [like(p) for p in weights], "nu": [like(p) for p in weights]}
+  if predict_weights:
+    state["device_params"] = [like(p, d) for p, d in zip(weights, device_dtypes)]
+  if delayed:
+    state["held_grads"] = [like(p, d) for p, d in zip(weights, device_dtypes)]
+    state["held_scale"] = jax.ShapeDtypeStruct((), jnp.float32)
+  return state
+
+
 class HostAdamW:
   """AdamW for weights kept in host memory, applied by the host's cores between device steps.
 
@@ -302,15 +322,8 @@ class HostAdamW:
 
   def checkpoint_target(self) -> dict:
     """What ``checkpoint`` returns, as shapes and placements: orbax's restore target."""
-    like = lambda p, dtype=jnp.float32: jax.ShapeDtypeStruct(p.shape, dtype, sharding=p.sharding)
-    state = {"count": np.array(0, np.int64), "params": [like(p) for p in self.weights],
-             "mu": [like(p) for p in self.weights], "nu": [like(p) for p in self.weights]}
-    if self.predict_weights:
-      state["device_params"] = [like(p, d) for p, d in zip(self.weights, self._device_dtypes)]
-    if self.delayed:
-      state["held_grads"] = [like(p, d) for p, d in zip(self.weights, self._device_dtypes)]
-      state["held_scale"] = jax.ShapeDtypeStruct((), jnp.float32)
-    return state
+    return checkpoint_target(self.weights, self._device_dtypes, delayed=self.delayed,
+                             predict_weights=self.predict_weights)
 
   def load(self, state: dict) -> None:
     """Continues from a state ``checkpoint`` made (restored into ``checkpoint_target``)."""

@@ -88,9 +88,8 @@ def activation_settings(config: Config) -> dict[str, list[str]]:
     settings[f"offload {m.cpu_offloading_policy}, {m.num_layers - 1} layers"] = off(False)
     settings[f"offload {m.cpu_offloading_policy} and weights, {m.num_layers - 1} layers"] = (
         off(True))
-  # The config's own setting once, under its name if another one is the same.
-  same = [name for name, o in settings.items() if o and _model(config, o) == m]
-  if same:
+  # The config's own setting once: under another name where one of these is the same.
+  if any(o and override(config, o).model == m for o in settings.values()):
     del settings["as configured"]
   return settings
 
@@ -98,7 +97,7 @@ def activation_settings(config: Config) -> dict[str, list[str]]:
 def plan(config: Config, budgets: Budgets, *, explore: bool = True, log: Log = print,
          machine: Optional[autoplace.Machine] = None,
          calibration: Optional[Calibration] = None) -> tuple[Optional[Candidate], list[Candidate]]:
-  """The fastest candidate that fits ``budgets``, and every candidate compiled on the way.
+  """The fastest candidate that fits ``budgets``, and what each combination came to.
 
   Each combination of activation setting, micro-batch size and update placement
   is a ladder of offload fractions in layer-sized steps. Its least fraction
@@ -134,6 +133,12 @@ def plan(config: Config, budgets: Budgets, *, explore: bool = True, log: Log = p
   ladders = [_Ladder(config, name, list(o) + [f"train.micro_batch_size={size}"], place,
                      machine, calibration, baseline)
              for name, o in settings.items() for size in sizes for place in places]
+  return _search(ladders, budgets)
+
+
+def _search(ladders: list["_Ladder"], budgets: Budgets
+            ) -> tuple[Optional[Candidate], list[Candidate]]:
+  """``plan``'s search over ``ladders``: bounds first, then the compiled steps."""
   rows, seen = {}, set()
   for n, ladder in enumerate(ladders):
     least = ladder.least(budgets)
@@ -251,10 +256,6 @@ def _micro_batch_sizes(config: Config) -> list[int]:
   total, size = config.train.global_batch_size, config.train.micro_batch_size
   return [s for s in dict.fromkeys((2 * size, size, size // 2, size // 4))
           if 1 <= s <= total and total % s == 0]
-
-
-def _model(config: Config, overrides: list[str]):
-  return override(config, overrides).model
 
 
 def table(rows: list[Candidate], pick: Optional[Candidate]) -> list[str]:

@@ -25,9 +25,7 @@ from jaxoffload.train import reader, rules
 from jaxoffload.train.config import Config, ConfigError
 from jaxoffload.train.loading import config_from_dict
 from jaxoffload.train.resolve import Setup
-from jaxoffload.train.step import Moments, Trainer
-
-STATE_ITEMS = ("params", "mu", "nu")
+from jaxoffload.train.step import STATE_ITEMS, Moments, Trainer
 
 
 def manager(config: Config) -> Optional[ocp.CheckpointManager]:
@@ -54,8 +52,8 @@ def manager(config: Config) -> Optional[ocp.CheckpointManager]:
 
 def save(checkpoints: ocp.CheckpointManager, step: int, trainer: Trainer) -> None:
   """Saves the trainer's state, its config and the step: asynchronously, unless the state
-  has buffers in host memory, which orbax reads in place (no copy of them is made) and so
-  must have written before the next step updates or donates them."""
+  has buffers in host memory, which orbax reads where they are and so must have written
+  before the next step updates or donates them."""
   items = trainer.checkpoint()
   meta = {"step": step, "config": dataclasses.asdict(trainer.setup.config),
           "host_kernel": sorted(items.get("host_kernel", {}))}
@@ -70,8 +68,7 @@ def read(checkpoints: ocp.CheckpointManager, step: int, setup: Setup) -> tuple[A
   """Step ``step``'s parameters and moments, read into ``setup``'s grouping, dtypes and
   placements (``Trainer(setup, *read(...))`` continues from them)."""
   meta = read_meta(checkpoints, step)
-  saved_groups = [range(g.start, g.stop)
-                  for g in rules.layer_groups(config_from_dict(meta["config"]))]
+  saved_groups = layer_ranges(config_from_dict(meta["config"]))
   targets = Trainer.from_shapes(setup).restore_targets()
   params, mu, nu = (reader.read_tree(checkpoints, step, name, saved_groups, targets[name])
                     for name in STATE_ITEMS)
@@ -81,6 +78,11 @@ def read(checkpoints: ocp.CheckpointManager, step: int, setup: Setup) -> tuple[A
     held = checkpoints.restore(step, args=ocp.args.Composite(host_kernel=ocp.args.PyTreeRestore(
         target, restore_args=ocp.checkpoint_utils.construct_restore_args(target))))["host_kernel"]
   return params, Moments(meta["step"], mu, nu, held)
+
+
+def layer_ranges(config: Config) -> list[range]:
+  """The layers of each of ``config``'s layer groups: how its checkpoints cut the stacks."""
+  return [range(g.start, g.stop) for g in rules.layer_groups(config)]
 
 
 def restore_newest(checkpoints: ocp.CheckpointManager, setup: Setup,

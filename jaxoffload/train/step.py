@@ -16,7 +16,7 @@ import optax
 from jax.experimental import multihost_utils
 from optax import tree_utils as otu
 
-from jaxoffload import remat
+from jaxoffload import host_offload, remat
 from jaxoffload._compat import DEVICE_KIND, PINNED_HOST
 from jaxoffload.host_offload import HostAdamW
 from jaxoffload.memory import compiled_device_bytes
@@ -25,6 +25,10 @@ from jaxoffload.params import init_params
 from jaxoffload.train.optimizer import Moments, device_shapes, host_adamw
 from jaxoffload.train.programs import StepPrograms
 from jaxoffload.train.resolve import Setup
+
+
+# A checkpoint's trees of the parameters' structure, whatever the setting.
+STATE_ITEMS = ("params", "mu", "nu")
 
 
 class CompiledStep(NamedTuple):
@@ -194,21 +198,18 @@ class Trainer:
     like = lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
     targets = {"params": jax.tree.map(like, self.setup.param_shapes, self.setup.param_shardings)}
     for name in ("mu", "nu"):
-      placed = jax.tree.leaves(jax.tree.map(like, otu.tree_get(self.programs.abstract_state, name),
-                                            otu.tree_get(self.programs.state_shardings, name)))
+      placed = jax.tree.leaves(jax.tree.map(
+          like, otu.tree_get(self.programs.abstract_state, name),
+          otu.tree_get(self.programs.state_shardings, name)))
       host = [jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=None)
               for p in self.programs.host_leaves(jax.tree.leaves(self.setup.param_shapes))]
       targets[name] = self.programs.tree(placed, host)
     o = self.setup.config.optimizer
-    if self.setup.host_kernel and o.delayed_update:  # As HostAdamW.checkpoint_target.
-      wire = [like(p, s).update(dtype=d) for p, s, d in zip(
-          self.programs.host_leaves(jax.tree.leaves(self.setup.param_shapes)),
-          self.programs.host_leaves(jax.tree.leaves(self.setup.param_shardings)),
-          self.setup.transfer_dtypes)]
-      targets["host_kernel"] = {"count": np.array(0, np.int64), "held_grads": wire,
-                                "held_scale": jax.ShapeDtypeStruct((), jnp.float32),
-                                **({"device_params": wire} if o.delayed_update_predict_weights
-                                   else {})}
+    if self.setup.host_kernel and o.delayed_update:
+      weights = self.programs.host_leaves(jax.tree.leaves(targets["params"]))
+      held = host_offload.checkpoint_target(weights, self.setup.transfer_dtypes, delayed=True,
+                                            predict_weights=o.delayed_update_predict_weights)
+      targets["host_kernel"] = {k: v for k, v in held.items() if k not in STATE_ITEMS}
     return targets
 
   def _load_moments(self, moments: Moments) -> None:

@@ -82,6 +82,5 @@ def from_run(setup: Setup, path: str) -> Any:
   placements (``load_config`` gave ``setup`` that run's model shape)."""
   checkpoints, step = ckpt.locate(path)
   theirs = config_from_dict(ckpt.read_meta(checkpoints, step)["config"])
-  saved_groups = [range(g.start, g.stop) for g in rules.layer_groups(theirs)]
-  return reader.read_tree(checkpoints, step, "params", saved_groups,
+  return reader.read_tree(checkpoints, step, "params", ckpt.layer_ranges(theirs),
                           targets(setup.param_shapes, setup.param_shardings))
