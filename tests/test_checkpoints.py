@@ -200,7 +200,8 @@ ACTIVATIONS = ["model.cpu_offloading=True", "model.cpu_offloading_num_layers=1"]
                                              "optimizer.optimizer_offload_update_on=host_kernel"],
                  id="device-to-host-kernel"),
     pytest.param(HOST_KERNEL, ["optimizer.optimizer_cpu_offload=False"] + ACTIVATIONS
-                 + ["model.cpu_offloading_weights=True"], id="host-kernel-to-weights-offload"),
+                 + ["model.cpu_offloading_weights=True"], id="host-kernel-to-weights-offload",
+                 marks=pytest.mark.slow),
     pytest.param(ACTIVATIONS + ["optimizer.exp_avg_dtype=bfloat16"], OFFLOAD,
                  id="bfloat16-moments-and-layer-groups", marks=pytest.mark.slow),
 ])
@@ -229,7 +230,8 @@ def test_a_checkpoint_resumes_under_another_setting_with_its_state_intact(tmp_pa
       trainer.step(trainer.setup.global_batch(1))[0], rel=1e-5)
 
 
-@pytest.mark.parametrize("offload", [OFFLOAD, HOST_KERNEL], ids=["device", "host-kernel"])
+@pytest.mark.parametrize("offload", [OFFLOAD, pytest.param(HOST_KERNEL, marks=pytest.mark.slow)],
+                         ids=["device", "host-kernel"])
 def test_saving_host_resident_state_every_step_changes_no_loss(tmp_path, offload):
   # Orbax reads host-resident buffers in place (on a GPU a step may then not donate them
   # while a save is in flight), and saves the host kernel's live buffers: no copies.
