@@ -69,18 +69,18 @@ def layer_modes(config: Config) -> dict[str, int]:
   """How many of ``config``'s layers run in each activation setting, by its name."""
   m = config.model
   offloaded = m.cpu_offloading_num_layers if m.cpu_offloading else 0
-  modes = {rest_mode(config): m.num_layers - offloaded}
+  modes = {_rest_mode(config): m.num_layers - offloaded}
   if offloaded:
-    modes[offload_mode(config)] = offloaded
+    modes[_offload_mode(config)] = offloaded
   return modes
 
 
-def rest_mode(config: Config) -> str:
+def _rest_mode(config: Config) -> str:
   """The setting of the layers activation offload leaves alone."""
   return "recompute" if config.model.recompute_granularity == "full" else "save"
 
 
-def offload_mode(config: Config) -> str:
+def _offload_mode(config: Config) -> str:
   """The setting of the first ``cpu_offloading_num_layers`` layers, by name."""
   m = config.model
   parts = [f"offload {m.cpu_offloading_policy}" if m.cpu_offloading_activations else "recompute"]

@@ -79,6 +79,7 @@ class StepPrograms:
     return [x for x, h in zip(leaves, self.is_host) if h]
 
   def tree(self, device_leaves, host_leaves) -> Any:
+    """The parameters' tree of the device optimizer's leaves and the host kernel's."""
     device, host = iter(device_leaves), iter(host_leaves)
     return self.treedef.unflatten([next(host) if h else next(device) for h in self.is_host])
 
