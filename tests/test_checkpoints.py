@@ -226,8 +226,8 @@ def test_a_checkpoint_resumes_under_another_setting_with_its_state_intact(tmp_pa
   want_kinds = jax.tree.leaves(Trainer.from_shapes(setup).opt_state)
   assert ([x.sharding.memory_kind for x in jax.tree.leaves(resumed.opt_state)]
           == [x.sharding.memory_kind for x in want_kinds])
-  assert resumed.step(setup.global_batch(1))[0] == pytest.approx(
-      trainer.step(trainer.setup.global_batch(1))[0], rel=1e-5)
+  assert float(resumed.step(setup.global_batch(1))[0]) == pytest.approx(
+      float(trainer.step(trainer.setup.global_batch(1))[0]), rel=1e-5)
 
 
 @pytest.mark.parametrize("offload", [OFFLOAD, pytest.param(HOST_KERNEL, marks=pytest.mark.slow)],
