@@ -296,10 +296,11 @@ class HostAdamW:
   def checkpoint(self, *, copy: bool = True) -> dict:
     """The host state as JAX arrays in host memory, for orbax to save.
 
-    The float32 weights and the moments keep the weights' shardings; with
-    ``delayed`` the gradients still waiting to be applied are part of the state
-    (call it after ``update``, before ``finish``), so that a resumed run
-    continues exactly.
+    The float32 weights keep their shardings; the moments are whole arrays on the
+    CPU backend (placed like the weights where this process holds only some of a
+    leaf's shards). With ``delayed`` the gradients still waiting to be applied are
+    part of the state (call it after ``update``, before ``finish``), so that a
+    resumed run continues exactly.
 
     Args:
       copy: weights in new arrays that later updates leave alone. With False, the live
