@@ -137,5 +137,5 @@ def test_summing_on_the_host_keeps_the_host_kernels_weights_and_gradients_off_th
     peaks[name] = Trainer.from_shapes(setup).compile(jax.ShapeDtypeStruct(
         tokens.shape, tokens.dtype, sharding=tokens.sharding)).device_bytes
   stacked = sum(x.size for x in jax.tree.leaves(setup.param_shapes) if x.ndim == 3)
-  # At least the stacks' bfloat16 copies and float32 gradients fewer.
-  assert peaks["one program"] - peaks["summed on the host"] >= stacked * (2 + 4), peaks
+  whole = stacked * (2 + 4)  # The stacks' bfloat16 copies and float32 gradients.
+  assert peaks["summed on the host"] < whole <= peaks["one program"], peaks

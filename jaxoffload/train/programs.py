@@ -109,7 +109,7 @@ class StepPrograms:
       grads = jax.tree.map(lambda g, host: g.astype(jnp.float32) if host else g, grads,
                            setup.offload.mask)
     new_leaves, opt_state, grad_norm, clip_factor = self._update(params, grads, opt_state)
-    return new_leaves, opt_state, loss, grad_norm, host_grads, clip_factor
+    return new_leaves, opt_state, loss, grad_norm, host_grads, self._to_host(clip_factor)
 
   def _zeros(self):
     """The sums a step starts from: the loss's, and the device leaves' gradients' (float32)."""
@@ -148,11 +148,18 @@ class StepPrograms:
     params = self.tree(device_leaves, [jnp.zeros(())] * sum(self.is_host))
     new_leaves, opt_state, grad_norm, clip_factor = self._update(params, grads, opt_state)
     # The host applies the sums themselves: the mean's division goes with the clipping.
-    return new_leaves, opt_state, loss_sum / count, grad_norm, clip_factor / count
+    return (new_leaves, opt_state, loss_sum / count, grad_norm,
+            self._to_host(clip_factor / count))
+
+  def _to_host(self, clip_factor):
+    """The clipping factor where the host kernel reads it (computed on the device first:
+    arithmetic on a value in host memory would make XLA compute on the host)."""
+    return to_host(clip_factor) if self.setup.host_kernel else None
 
   def _update(self, params, grads, opt_state):
     """Clipping and the device optimizer's update: the new device leaves, the state, the
-    global norm (before clipping) and, with the host kernel, its clipping factor."""
+    global norm (before clipping) and, with the host kernel, its clipping factor (on the
+    device)."""
     setup = self.setup
     # The same norm as optax.clip_by_global_norm's in the optimizer.
     grad_norm = optax.tree.norm(grads)
@@ -160,7 +167,7 @@ class StepPrograms:
     if setup.host_kernel:
       # What clip_by_global_norm multiplies the device leaves' gradients by.
       max_norm = setup.config.optimizer.clip_grad
-      clip_factor = to_host(jnp.where(grad_norm < max_norm, 1.0, max_norm / grad_norm))
+      clip_factor = jnp.where(grad_norm < max_norm, 1.0, max_norm / grad_norm)
     device_params = jax.tree.map(to_device, params)
     updates, opt_state = self.optimizer.update(grads, opt_state, device_params)
     # bfloat16 parameters move by their updates in expectation (optimizer.main_params_dtype).
