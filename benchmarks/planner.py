@@ -21,12 +21,12 @@ import sys
 from common import metadata, run_children, write_report
 
 
-def plan_child(config_path: str, overrides: list[str]) -> dict:
+def plan_child(config_path: str, overrides: list[str], device_memory: int | None) -> dict:
   from jaxoffload import plan
   from jaxoffload.train import load_config
 
   config = load_config(config_path, overrides)
-  budgets = plan.budgets_of(config)
+  budgets = plan.budgets_of(config, device_memory)
   pick, rows = plan.plan(config, budgets, log=lambda line: print(line, file=sys.stderr))
   return {"table": plan.table(rows, pick), "device_budget": budgets.device,
           "host_budget": budgets.host,
@@ -35,7 +35,8 @@ def plan_child(config_path: str, overrides: list[str]) -> dict:
               "device_bytes": pick.device_bytes, "host_bytes": pick.host_bytes}}
 
 
-def train_child(config_path: str, overrides: list[str]) -> dict:
+def train_child(config_path: str, overrides: list[str], device_memory: int | None) -> dict:
+  del device_memory  # The pick trains on the whole device: its peak is what it needs.
   from jaxoffload.train import launch, load_config, run
 
   config = load_config(config_path, overrides + ["logging.progress_bar=False"])
@@ -57,14 +58,19 @@ def main() -> None:
   parser.add_argument("--config", help="the trainer config to plan for")
   parser.add_argument("--out", default="planner", help="report path, without .json/.md")
   parser.add_argument("--steps", type=int, default=4, help="steps the pick trains")
+  parser.add_argument("--device-memory", type=int, default=None,
+                      help="bytes the plan may use of each device (default: what JAX reports), "
+                           "to plan for a smaller device")
   parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
   parser.add_argument("overrides", nargs="*", metavar="section.key=value")
   args = parser.parse_args()
   if args.child:
     work = {"plan": plan_child, "train": train_child}[args.child[0]]
-    print(json.dumps(work(args.config, args.child[1:] + args.overrides)))
+    print(json.dumps(work(args.config, args.child[1:] + args.overrides, args.device_memory)))
     return
-  common = (["--config", args.config] if args.config else []) + args.overrides
+  common = ((["--config", args.config] if args.config else [])
+            + ([f"--device-memory={args.device_memory}"] if args.device_memory else [])
+            + args.overrides)
   result, = run_children(__file__, [["plan"]], common)
   pick = result["pick"]
   lines = [f"# The planner's pick and its run ({' '.join(common)})", "", *result["table"]]
