@@ -83,6 +83,25 @@ def test_the_search_stops_once_the_pick_beats_every_bound(compiled_as_resident):
   assert sum("(pick)" in line for line in lines) == 1
 
 
+def test_both_placements_are_tried_where_the_state_alone_fits_but_the_step_does_not(
+    monkeypatch):
+  # Temporaries a tenth of the whole state: without offload its state fits the budget's
+  # headroom, its compiled step does not, and the placements then differ.
+  config = load_config(None, ["train.global_batch_size=4", "train.micro_batch_size=4"])
+  whole = resident_device_bytes(Trainer.from_shapes(resolve(config)))
+  monkeypatch.setattr(Trainer, "compile", lambda self, tokens: CompiledStep(
+      (), resident_device_bytes(self) + whole // 10, 0))
+  budgets = plan.Budgets(device=int(whole * 1.1), host=10**12)
+  # A host kernel far faster than the links: its step is the faster one.
+  machine = dataclasses.replace(MACHINE, kernel_rate=1e15, sum_rate=1e15)
+  pick, rows = plan.plan(config, budgets, machine=machine, calibration=CALIBRATION, log=print)
+  compiled = [r for r in rows if r.device_bytes is not None]
+  assert pick.update_on == "host_kernel"
+  assert all(r.fraction > 0 for r in compiled if r.verdict == "fits")
+  assert pick.step_s == min(r.step_s for r in compiled if r.verdict == "fits")
+  assert len({r.overrides for r in rows}) == len(rows)
+
+
 def test_settings_whose_state_alone_cannot_fit_are_never_compiled(compiled_as_resident,
                                                                   monkeypatch):
   compiled = []

@@ -139,29 +139,30 @@ def plan(config: Config, budgets: Budgets, *, explore: bool = True, log: Log = p
 def _search(ladders: list["_Ladder"], budgets: Budgets
             ) -> tuple[Optional[Candidate], list[Candidate]]:
   """``plan``'s search over ``ladders``: bounds first, then the compiled steps."""
-  rows, seen = {}, set()
-  for n, ladder in enumerate(ladders):
-    least = ladder.least(budgets)
-    if least.overrides not in seen:  # Without offload, both placements are one setting.
-      seen.add(least.overrides)
-      rows[n] = least
-  best, too_large = None, {}  # Per activation setting, the least micro-batch that cannot fit.
+  rows = {n: ladder.least(budgets) for n, ladder in enumerate(ladders)}
+  device_bytes = {}  # Per setting's overrides, its compiled step's device peak.
+  # Per activation setting and placement, the least micro-batch that cannot fit.
+  best, too_large = None, {}
   for n in sorted((n for n, row in rows.items() if not row.verdict),
                   key=lambda n: rows[n].step_s):
     row = rows[n]
     if best is not None and row.step_s >= best.step_s:
       rows[n] = dataclasses.replace(row, verdict="not compiled: slower than the pick")
-    elif row.micro_batch_size >= too_large.get(row.activations, math.inf):
+    elif row.micro_batch_size >= too_large.get((row.activations, ladders[n].place), math.inf):
       rows[n] = dataclasses.replace(row, verdict="not compiled: a smaller micro-batch does "
                                                  "not fit the device")
     else:
-      rows[n] = ladders[n].smallest_fitting(budgets)
+      rows[n] = ladders[n].smallest_fitting(budgets, device_bytes)
       if rows[n].verdict == "no: device":
-        too_large[row.activations] = min(row.micro_batch_size,
-                                         too_large.get(row.activations, math.inf))
+        setting = row.activations, ladders[n].place
+        too_large[setting] = min(row.micro_batch_size, too_large.get(setting, math.inf))
       if rows[n].verdict == "fits" and (best is None or rows[n].step_s < best.step_s):
         best = rows[n]
-  return best, [rows[n] for n in sorted(rows, key=lambda n: rows[n].step_s)]
+  # Without offload, both placements are one setting: its row once.
+  unique = {}
+  for n in sorted(rows, key=lambda n: rows[n].step_s):
+    unique.setdefault(rows[n].overrides, rows[n])
+  return best, list(unique.values())
 
 
 class _Ladder:
@@ -208,17 +209,21 @@ class _Ladder:
     return candidate if budgets.fits_host(candidate) else dataclasses.replace(
         candidate, verdict="no: host")
 
-  def smallest_fitting(self, budgets: Budgets) -> Candidate:
+  def smallest_fitting(self, budgets: Budgets, device_bytes: dict) -> Candidate:
     """The least offload whose compiled step fits the device, and whether it fits the host;
-    or the most offloaded one tried, which does not fit the device."""
+    or the most offloaded one tried, which does not fit the device. ``device_bytes`` holds
+    the device peaks compiled so far, by overrides, and gets this ladder's."""
     compiled = {}
 
     def fits(step):
       setup, candidate = self.judge(step)
-      tokens = setup.global_batch(0)
-      device = Trainer.from_shapes(setup).compile(jax.ShapeDtypeStruct(
-          tokens.shape, tokens.dtype, sharding=tokens.sharding)).device_bytes
-      compiled[step] = dataclasses.replace(candidate, device_bytes=device)
+      if candidate.overrides not in device_bytes:
+        tokens = setup.global_batch(0)
+        device_bytes[candidate.overrides] = Trainer.from_shapes(setup).compile(
+            jax.ShapeDtypeStruct(tokens.shape, tokens.dtype, sharding=tokens.sharding)
+        ).device_bytes
+      compiled[step] = dataclasses.replace(candidate,
+                                           device_bytes=device_bytes[candidate.overrides])
       return budgets.fits_device(compiled[step])
 
     # The most offload first: where it does not fit, nothing does. Then the least: where it
