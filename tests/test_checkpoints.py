@@ -92,6 +92,7 @@ def test_offloaded_state_is_restored_into_pinned_host(tmp_path):
   saved = Trainer(setup)
   kinds = lambda tree: [x.sharding.memory_kind for x in jax.tree.leaves(tree)]
   assert "pinned_host" in kinds(saved.params) and "pinned_host" in kinds(saved.opt_state)
+  assert setup.state_in_host_memory
   checkpoints = ckpt.manager(config)
   saved.step(saved.setup.global_batch(0))  # Restored values must differ from fresh ones.
   ckpt.save(checkpoints, 1, saved)
@@ -101,6 +102,22 @@ def test_offloaded_state_is_restored_into_pinned_host(tmp_path):
   assert kinds(state(restored)) == kinds(state(saved))
   for got, want in zip(jax.tree.leaves(state(restored)), jax.tree.leaves(state(saved))):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("overrides", [
+    [], ["model.cpu_offloading=True", "model.cpu_offloading_num_layers=1"],
+    ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5"],
+    ["model.cpu_offloading=True", "model.cpu_offloading_num_layers=1",
+     "model.cpu_offloading_activations=False", "model.cpu_offloading_weights=True"],
+    ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=1.0",
+     "optimizer.optimizer_offload_update_on=host_kernel"]],
+    ids=["none", "activations", "optimizer", "weights", "host-kernel"])
+def test_state_in_host_memory_says_whether_the_trainer_keeps_state_there(overrides):
+  # Saves of such state must finish before the next step updates or donates it.
+  setup = resolve(load_config(None, overrides))
+  trainer = Trainer(setup)
+  kinds = {x.sharding.memory_kind for x in jax.tree.leaves((trainer.params, trainer.opt_state))}
+  assert setup.state_in_host_memory == ("pinned_host" in kinds or trainer.host is not None)
 
 
 def test_nan_stop_keeps_the_last_good_checkpoint(tmp_path):
@@ -241,3 +258,39 @@ def test_saving_host_resident_state_every_step_changes_no_loss(tmp_path, offload
                                           "checkpoint.save_interval=1"]), log=QUIET)
   np.testing.assert_array_equal(saved, whole)
   assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "2", "3"]
+
+
+def test_a_disk_too_small_for_one_checkpoint_is_refused_before_training(tmp_path, monkeypatch):
+  setup = resolve(load_config(None, [f"checkpoint.dir={tmp_path}"]))
+  # The default model's float32 parameters and moments: 12 bytes an element.
+  elements = sum(x.size for x in jax.tree.leaves(setup.param_shapes))
+  assert ckpt.size_on_disk(setup) == 12 * elements
+  monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda path: ckpt.shutil._ntuple_diskusage(
+      10**9, 10**9 - 1000, 1000))
+  with pytest.raises(ConfigError, match=(
+      rf"^checkpoint.dir '{tmp_path}' has 0.0 GB free, less than one checkpoint of this run "
+      r"\(0.0 GB\): free space there or choose another checkpoint.dir$")):
+    train(load_config(None, [f"checkpoint.dir={tmp_path}"]), log=QUIET)
+  assert list(tmp_path.iterdir()) == []
+
+
+def test_a_save_that_fails_stops_in_one_line_keeping_the_complete_checkpoints(tmp_path,
+                                                                              monkeypatch):
+  # As tensorstore reports a full disk, on the second save.
+  save = ckpt.ocp.CheckpointManager.save
+  def failing_save(self, step, *args, **kwargs):
+    if step == 4:
+      raise ValueError("RESOURCE_EXHAUSTED: Error writing \"params/0.0\" in OCDBT database: "
+                       "Failed to write 4096 bytes to file 7: No space left on device "
+                       "[os_error_code='28']")
+    return save(self, step, *args, **kwargs)
+  monkeypatch.setattr(ckpt.ocp.CheckpointManager, "save", failing_save)
+  config = load_config(None, ["train.train_iters=6", f"checkpoint.dir={tmp_path}",
+                              "checkpoint.save_interval=2"])
+  with pytest.raises(ConfigError, match=(
+      rf"^a checkpoint could not be written to '{tmp_path}' \(No space left on device\); the "
+      r"run stopped; its complete checkpoints: steps \[2\]$")):
+    train(config, log=QUIET)
+  monkeypatch.setattr(ckpt.ocp.CheckpointManager, "save", save)
+  resumed = train(config, log=QUIET)
+  assert len(resumed) == 4  # Steps 3 to 6, from step 2's checkpoint.

@@ -14,10 +14,16 @@ between two runs. ``params`` alone starts another run
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import math
 import os
-from typing import Any, Callable, Optional
+import re
+import shutil
+from typing import Any, Callable, Iterator, Optional
 
+import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from jaxoffload.model import LlamaConfig
@@ -50,18 +56,77 @@ def manager(config: Config) -> Optional[ocp.CheckpointManager]:
   return ocp.CheckpointManager(path, options=options)
 
 
+def size_on_disk(setup: Setup) -> int:
+  """About the bytes one checkpoint of ``setup``'s run writes: the parameters and both
+  moments (float32 for the host kernel's leaves), before compression."""
+  moment_bytes = sum(jnp.dtype(d).itemsize for d in rules.moment_dtypes(setup.config))
+  host = setup.offload.offloaded if setup.host_kernel else (False,) * len(
+      jax.tree.leaves(setup.param_shapes))
+  return sum(math.prod(p.shape) * (12 if on_host else p.dtype.itemsize + moment_bytes)
+             for p, on_host in zip(jax.tree.leaves(setup.param_shapes), host))
+
+
+def check_space(checkpoints: ocp.CheckpointManager, setup: Setup) -> None:
+  """Refuses a run whose first checkpoint cannot fit on the disk of ``checkpoint.dir``.
+
+  Raises:
+    ConfigError: naming the directory, its free bytes and a checkpoint's.
+  """
+  directory = os.fspath(checkpoints.directory)
+  free, need = shutil.disk_usage(directory).free, size_on_disk(setup)
+  if free < need:
+    raise ConfigError(f"checkpoint.dir {directory!r} has {free / 1e9:.1f} GB free, less than "
+                      f"one checkpoint of this run ({need / 1e9:.1f} GB): free space there or "
+                      f"choose another checkpoint.dir")
+
+
 def save(checkpoints: ocp.CheckpointManager, step: int, trainer: Trainer) -> None:
   """Saves the trainer's state, its config and the step: asynchronously, unless the state
   has buffers in host memory, which orbax reads where they are and so must have written
-  before the next step updates or donates them."""
+  before the next step updates or donates them.
+
+  Raises:
+    ConfigError: naming the directory and why, when this save or the one before failed.
+  """
   items = trainer.checkpoint()
   meta = {"step": step, "config": dataclasses.asdict(trainer.setup.config),
           "host_kernel": sorted(items.get("host_kernel", {}))}
-  checkpoints.save(step, args=ocp.args.Composite(
-      meta=ocp.args.JsonSave(meta), **{name: ocp.args.PyTreeSave(tree)
-                                      for name, tree in items.items()}))
-  if trainer.holds_host_state:
-    checkpoints.wait_until_finished()
+  with _writing(checkpoints):
+    checkpoints.save(step, args=ocp.args.Composite(
+        meta=ocp.args.JsonSave(meta), **{name: ocp.args.PyTreeSave(tree)
+                                        for name, tree in items.items()}))
+    if trainer.setup.state_in_host_memory:
+      checkpoints.wait_until_finished()
+
+
+def close(checkpoints: ocp.CheckpointManager) -> None:
+  """Waits for a save in flight and stops orbax's threads.
+
+  Raises:
+    ConfigError: naming the directory and why, when that save failed.
+  """
+  with _writing(checkpoints):
+    checkpoints.close()
+
+
+# Why a write failed, as the operating system says it, wherever orbax's message has it.
+_OS_REASONS = re.compile(r"No space left on device|Disk quota exceeded|Read-only file system|"
+                         r"Permission denied")
+
+
+@contextlib.contextmanager
+def _writing(checkpoints: ocp.CheckpointManager) -> Iterator[None]:
+  """Turns a failed save into one line naming the directory, the reason and the intact
+  steps (orbax leaves the failed one in a temporary directory, which resumes skip)."""
+  try:
+    yield
+  except Exception as error:  # Whatever orbax or tensorstore raise for a failed write.
+    found = _OS_REASONS.search(str(error))
+    reason = found.group(0) if found else _reason(error)
+    directory = os.fspath(checkpoints.directory)
+    steps = sorted(int(name) for name in os.listdir(directory) if name.isdigit())
+    raise ConfigError(f"a checkpoint could not be written to {directory!r} ({reason}); the "
+                      f"run stopped; its complete checkpoints: steps {steps or 'none'}") from None
 
 
 def read(checkpoints: ocp.CheckpointManager, step: int, setup: Setup) -> tuple[Any, Moments]:

@@ -82,10 +82,12 @@ def run(config: Config, *, log: Log = print, stop_after_step: Optional[int] = No
                  if config.logging.tensorboard_dir and reporting else None)
   checkpoints = ckpt.manager(config)
   try:
+    if checkpoints is not None:
+      ckpt.check_space(checkpoints, setup)
     return _run(setup, checkpoints, tensorboard, log, reporting, stop_after_step)
   finally:
     if checkpoints is not None:
-      checkpoints.close()  # Waits for a save in flight, and stops orbax's threads.
+      ckpt.close(checkpoints)
 
 
 def _run(setup: Setup, checkpoints, tensorboard: Optional[metrics.TensorBoard], log: Log,

@@ -77,6 +77,13 @@ class Setup:
             for d, host in zip(multiplied_in, self.offload.offloaded) if host]
 
   @property
+  def state_in_host_memory(self) -> bool:
+    """Whether parameters or optimizer state live in host memory, where a step updates or
+    donates them in place: a checkpoint reads them there, and must finish first."""
+    return (self.host_kernel or any(jax.tree.leaves(self.fetched_by_model))
+            or (self.offload is not None and any(self.offload.offloaded)))
+
+  @property
   def micro_batches(self) -> int:
     t = self.config.train
     return t.global_batch_size // t.micro_batch_size

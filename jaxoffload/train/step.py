@@ -169,7 +169,7 @@ class Trainer:
     leaves as its float32 weights), ``mu`` and ``nu`` like it, and ``host_kernel`` with a
     delayed update's held gradients (see ``Moments``). Any setting of the same model resumes
     from it (``restore_targets``). Host-resident leaves are the live buffers: save them
-    before the next step (``holds_host_state``)."""
+    before the next step (``Setup.state_in_host_memory``)."""
     mu, nu = (otu.tree_get(self.opt_state, name) for name in ("mu", "nu"))
     if self.host is None:
       return {"params": self.programs.tree(self.params, []), "mu": mu, "nu": nu}
@@ -182,14 +182,6 @@ class Trainer:
     if self.host.delayed:
       items["host_kernel"] = host
     return items
-
-  @property
-  def holds_host_state(self) -> bool:
-    """Whether the state has buffers in host memory that a step updates in place or donates:
-    a checkpoint reads them where they are, and must finish before the next step."""
-    return self.host is not None or any(
-        x.sharding.memory_kind == PINNED_HOST for x in jax.tree.leaves(
-            (self.params, self.opt_state)))
 
   def restore_targets(self) -> dict:
     """What ``checkpoint`` returns, as this trainer's shapes, dtypes and placements: where
