@@ -9,7 +9,7 @@ import pytest
 from jaxoffload.memory import host_rss_bytes, parse_bytes
 from jaxoffload.train import Trainer, load_config, resolve
 from jaxoffload.train.config import ConfigError
-from jaxoffload.train.host_memory import _read_keyed, available, needed
+from jaxoffload.train.host_memory import HOST_KERNEL_SAVE_COPIES, _read_keyed, available, needed
 
 OFFLOAD = ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=1.0"]
 MESH = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
@@ -64,9 +64,15 @@ def test_the_host_kernel_arithmetic_is_what_it_allocates(micro_batches):
   setup = resolve(load_config(None, [
       "optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5",
       "optimizer.optimizer_offload_update_on=host_kernel", "model.dtype=bfloat16",
-      "optimizer.offload_transfer_dtype=bfloat16", f"train.micro_batch_size={8 // micro_batches}"]))
+      "optimizer.offload_transfer_dtype=bfloat16", f"train.micro_batch_size={8 // micro_batches}",
+      "checkpoint.dir=/nonexistent/run"]))
   trainer = Trainer(setup)
   trainer.step(setup.global_batch(0))
+  # A save copies the checkpoint's bytes, the host kernel's float32 weights and moments more.
+  saved = trainer.checkpoint()
+  everything = sum(shard_bytes(saved, kind) for kind in ("device", "pinned_host"))
+  host_kernel = sum(shard_bytes(trainer.host.checkpoint(copy=False)[name], kind)
+                    for name in ("params", "mu", "nu") for kind in ("device", "pinned_host"))
   tokens = setup.global_batch(1)
   if micro_batches == 1:
     host_grads = trainer.programs.step(trainer.params, trainer.host_params, trainer.opt_state, tokens)[4]
@@ -81,6 +87,8 @@ def test_the_host_kernel_arithmetic_is_what_it_allocates(micro_batches):
   assert need.held["host kernel weights and copies"] == (
       trainer.host.pinned_bytes + micro_batches * sum(g.nbytes for g in host_grads))
   assert need.held["optimizer state"] == 0
+  assert need.transient["saving a checkpoint"] == int(
+      everything + (HOST_KERNEL_SAVE_COPIES - 1) * host_kernel)
 
 
 @pytest.mark.slow

@@ -28,6 +28,10 @@ from jaxoffload.train.resolve import Setup
 # (docs/performance.md#host-memory).
 PINNED_POOL_SLACK = 1 / 8
 RUNTIME_BYTES = 2 * 2**30
+# A save raises the host's memory by about the checkpoint's bytes, and by more
+# than twice them for the host kernel's state, which orbax copies once more
+# (docs/performance.md#host-memory).
+HOST_KERNEL_SAVE_COPIES = 2.5
 # XLA's pinned pool on GPUs stops at 64 GiB unless this variable says otherwise.
 PINNED_POOL_VARIABLE = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
 DEFAULT_PINNED_POOL_GIB = 64
@@ -68,6 +72,8 @@ KEYS = {
                                     "train.micro_batch_size=train.global_batch_size",
     "offloaded weights": "model.cpu_offloading_num_layers, model.cpu_offloading_weights",
     "offloaded activations": "model.cpu_offloading_num_layers, train.micro_batch_size",
+    "saving a checkpoint": "optimizer.optimizer_offload_update_on=device (whose saves copy "
+                           "less), no checkpoint.dir",
 }
 
 
@@ -92,7 +98,7 @@ def needed(setup: Setup) -> HostBytes:
   transfer = iter(setup.transfer_dtypes if setup.host_kernel else ())
   moment_bytes = sum(jnp.dtype(d).itemsize for d in rules.moment_dtypes(setup.config))
   summed = setup.micro_batches > 1
-  saved = 0  # Bytes of the state a checkpoint holds, this process's shards.
+  saved = 0  # What a save adds: copies of the state a checkpoint holds, this process's shards.
   for shape, sharding, off, fetch in zip(shapes, shardings, offloaded, fetched):
     elements = local_elements(shape.shape, sharding)
     if off and setup.host_kernel:
@@ -105,7 +111,7 @@ def needed(setup: Setup) -> HostBytes:
       grads = (2 if o.delayed_update or summed else 1) * wire.itemsize
       held["host kernel weights and copies"] += elements * (pinned + grads)
       held["host kernel moments and sums"] += elements * unpinned
-      saved += elements * 12  # Its float32 weights and moments.
+      saved += elements * 12 * HOST_KERNEL_SAVE_COPIES  # Its float32 weights and moments.
       continue
     if off:
       held["optimizer state"] += elements * moment_bytes
@@ -121,9 +127,7 @@ def needed(setup: Setup) -> HostBytes:
                                            m.seq_length)
   transient = {"loading the first weights": weights.staging_bytes(setup),
                "offloaded activations": int(share * activations),
-               # A save raises the host's memory by about the checkpoint's bytes
-               # (docs/performance.md#host-memory), device- and host-resident alike.
-               "saving a checkpoint": saved if setup.config.checkpoint.dir else 0}
+               "saving a checkpoint": int(saved) if setup.config.checkpoint.dir else 0}
   return HostBytes(held, transient, pinned + held["pinned allocator overhead"])
 
 
