@@ -29,7 +29,7 @@ from jaxoffload.train.resolve import Setup
 PINNED_POOL_SLACK = 1 / 8
 RUNTIME_BYTES = 2 * 2**30
 # A save raises the host's memory by about the checkpoint's bytes, and by more
-# than twice them for the host kernel's state, which orbax copies once more
+# than twice them where the host kernel holds the state
 # (docs/performance.md#host-memory).
 HOST_KERNEL_SAVE_COPIES = 2.5
 # XLA's pinned pool on GPUs stops at 64 GiB unless this variable says otherwise.
