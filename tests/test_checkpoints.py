@@ -3,6 +3,7 @@
 import re
 import subprocess
 import sys
+import types
 
 import jax
 import numpy as np
@@ -265,8 +266,8 @@ def test_a_disk_too_small_for_one_checkpoint_is_refused_before_training(tmp_path
   # The default model's float32 parameters and moments: 12 bytes an element.
   elements = sum(x.size for x in jax.tree.leaves(setup.param_shapes))
   assert ckpt.size_on_disk(setup) == 12 * elements
-  monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda path: ckpt.shutil._ntuple_diskusage(
-      10**9, 10**9 - 1000, 1000))
+  monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda path: types.SimpleNamespace(
+      total=10**9, used=10**9 - 1000, free=1000))
   with pytest.raises(ConfigError, match=(
       rf"^checkpoint.dir '{tmp_path}' has 0.0 GB free, less than one checkpoint of this run "
       r"\(0.0 GB\): free space there or choose another checkpoint.dir$")):
