@@ -303,7 +303,9 @@ class CheckpointConfig:
   newest good checkpoint.
 
   Attributes:
-    dir: where orbax writes checkpoints (asynchronously); null: none.
+    dir: where orbax writes checkpoints (asynchronously); null: none. A run whose dir has
+      less free space than one checkpoint (parameters and both moments) is refused before
+      it trains; a save that fails stops the run in one line naming the complete steps.
     save_interval: steps between saves; the last step is always saved.
     keep: how many of the newest checkpoints to keep.
     resume: continue from the newest checkpoint in dir, under any offload setting of
