@@ -7,7 +7,8 @@ hands orbax copies that later updates leave alone.
 
 from __future__ import annotations
 
-from typing import Any, Sequence, Union
+import functools
+from typing import Any, Callable, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -30,9 +31,16 @@ def shard_views(array: jax.Array) -> list[np.ndarray]:
 def copy(array: jax.Array, dtype=None) -> jax.Array:
   """A new array with ``array``'s values (cast to ``dtype``) and placement, made by a
   computation."""
+  return _copier(None if dtype is None else jnp.dtype(dtype), array.sharding)(array)
+
+
+@functools.cache
+def _copier(dtype, sharding: jax.sharding.Sharding) -> Callable[[jax.Array], jax.Array]:
+  """``copy``'s program for ``dtype`` and ``sharding``: made once, so that it compiles once
+  per shape."""
   # Cast on the device: XLA would run a cast in host memory on one host core.
   cast = lambda x: to_host(to_device(x).astype(dtype)) if dtype else jnp.copy(x)
-  return jax.jit(cast, out_shardings=array.sharding)(array)
+  return jax.jit(cast, out_shardings=sharding)
 
 
 def read_scalar(value: Union[float, jax.Array]) -> float:

@@ -6,6 +6,7 @@ import numpy as np
 import optax
 import pytest
 
+from jaxoffload import host_arrays
 from jaxoffload._compat import to_device, to_host
 from jaxoffload.host_offload import HostAdamW
 from jaxoffload.train import load_config
@@ -258,3 +259,12 @@ def test_a_delayed_update_refuses_to_sum():
   host = HostAdamW([to_host(jnp.zeros(4))], learning_rate=1e-3, delayed=True)
   with pytest.raises(ValueError, match="accumulate keeps one step's sums; a delayed update"):
     host.accumulate([to_host(jnp.zeros(4))])
+
+
+def test_host_array_copies_compile_once_per_dtype_and_shape():
+  x = jax.device_put(jnp.arange(16.0).reshape(4, 4))
+  for _ in range(3):
+    np.testing.assert_array_equal(np.asarray(host_arrays.copy(x)), np.asarray(x))
+    assert host_arrays.copy(x, jnp.bfloat16).dtype == jnp.bfloat16
+  for dtype in (None, jnp.dtype(jnp.bfloat16)):
+    assert host_arrays._copier(dtype, x.sharding)._cache_size() == 1
