@@ -136,7 +136,7 @@ def predict_s(setup: Setup, calibration: Optional[Calibration], machine: autopla
     place = config.optimizer.optimizer_offload_update_on
     total += price_updates(config, setup.offload, machine,
                            host_kernel=place == "host_kernel").predicted_s[place]
-  if setup.host_kernel and setup.micro_batches > 1 and machine.sum_rate:
+  if setup.sums_on_host and machine.sum_rate:
     host = sum(n for n, off in zip(elements, offloaded) if off)
     wire = sum(n * d.itemsize for n, d in zip(
         [n for n, off in zip(elements, offloaded) if off], setup.transfer_dtypes))

@@ -97,7 +97,6 @@ def needed(setup: Setup) -> HostBytes:
   held = dict.fromkeys(KEYS, 0)
   transfer = iter(setup.transfer_dtypes if setup.host_kernel else ())
   moment_bytes = sum(jnp.dtype(d).itemsize for d in rules.moment_dtypes(setup.config))
-  summed = setup.micro_batches > 1
   saved = 0  # What a save adds: copies of the state a checkpoint holds, this process's shards.
   for shape, sharding, off, fetch in zip(shapes, shardings, offloaded, fetched):
     elements = local_elements(shape.shape, sharding)
@@ -105,10 +104,10 @@ def needed(setup: Setup) -> HostBytes:
       wire = next(transfer)
       pinned, unpinned = host_bytes_per_element(wire, delayed=o.delayed_update,
                                                 predict_weights=o.delayed_update_predict_weights,
-                                                summed=summed)
+                                                summed=setup.sums_on_host)
       # Each step's gradients arrive in pinned memory; a delayed update holds one more, and
       # so do micro-batches summed on the host (the next arrive while the last are added).
-      grads = (2 if o.delayed_update or summed else 1) * wire.itemsize
+      grads = (2 if o.delayed_update or setup.sums_on_host else 1) * wire.itemsize
       held["host kernel weights and copies"] += elements * (pinned + grads)
       held["host kernel moments and sums"] += elements * unpinned
       saved += elements * 12 * HOST_KERNEL_SAVE_COPIES  # Its float32 weights and moments.

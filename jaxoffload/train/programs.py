@@ -40,9 +40,9 @@ class StepPrograms:
     is_host: per parameter leaf, whether the host kernel holds it.
     step: ``(device leaves, host kernel's leaves, state, tokens) -> (device leaves,
       state, loss, global norm, host kernel's gradients, its clipping factor)``.
-    sums_on_host: whether a step is ``micro_step`` per micro-batch, the host summing
-      its leaves' gradients, then ``update_step``.
-    zero_sums, micro_step, update_step: those programs (with ``sums_on_host``).
+    zero_sums, micro_step, update_step: with ``Setup.sums_on_host``, a step is
+      ``micro_step`` per micro-batch, the host summing its leaves' gradients, then
+      ``update_step``.
     eval_loss: the loss at the current parameters.
   """
 
@@ -60,8 +60,7 @@ class StepPrograms:
     device_leaves, host_leaves = self.device_only(shardings), self.host_leaves(shardings)
     self.step = jax.jit(self._train_step, donate_argnums=(0, 2), out_shardings=(
         device_leaves, self.state_shardings, None, None, host_leaves, host_scalar))
-    self.sums_on_host = setup.host_kernel and setup.micro_batches > 1
-    if self.sums_on_host:
+    if setup.sums_on_host:
       sums = (replicated, [s.with_memory_kind(DEVICE_KIND) for s in device_leaves])
       self.zero_sums = jax.jit(self._zeros, out_shardings=sums)
       self.micro_step = jax.jit(self._micro_grads, donate_argnums=(2,),

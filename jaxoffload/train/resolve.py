@@ -77,6 +77,12 @@ class Setup:
             for d, host in zip(multiplied_in, self.offload.offloaded) if host]
 
   @property
+  def sums_on_host(self) -> bool:
+    """Whether the host kernel sums its leaves' gradients over micro-batches (a program per
+    micro-batch, ``StepPrograms``): with it and several micro-batches."""
+    return self.host_kernel and self.micro_batches > 1
+
+  @property
   def state_in_host_memory(self) -> bool:
     """Whether parameters or optimizer state live in host memory, where a step updates or
     donates them in place: a checkpoint reads them there, and must finish first."""

@@ -113,7 +113,7 @@ class Trainer:
 
   def compile(self, tokens: jax.Array) -> CompiledStep:
     """Compiles the step for batches like ``tokens``; later steps run these programs."""
-    if not self.programs.sums_on_host:
+    if not self.setup.sums_on_host:
       self._compiled = (self.programs.step.lower(self.params, self.host_params, self.opt_state,
                                          tokens).compile(),)
       analysis = self._compiled[0].memory_analysis()
@@ -133,7 +133,7 @@ class Trainer:
   def step(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
     """One update from ``tokens``; returns the loss (before the update) and the gradients'
     global norm (before clipping)."""
-    if self.programs.sums_on_host:
+    if self.setup.sums_on_host:
       return self._step_summing_on_host(tokens)
     step = self._compiled[0] if self._compiled else self.programs.step
     self.params, self.opt_state, loss, grad_norm, host_grads, clip_factor = step(
