@@ -17,12 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import sys
 import time
 
-from common import metadata, run_children, write_report
+from common import metadata, peak_rss, run_children, write_report
 
 SHAPES = {
     "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
@@ -69,10 +68,6 @@ def make(shape: str, directory: str) -> dict:
   with open(os.path.join(directory, hf.INDEX_FILE), "w") as f:
     json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
   return {"checkpoint_bytes": total, "make_s": time.perf_counter() - start}
-
-
-def peak_rss() -> int:
-  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 STAGES: list[str] = []

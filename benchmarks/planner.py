@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import sys
 
-from common import metadata, run_children, write_report
+from common import metadata, peak_rss, run_children, write_report
 
 
 def plan_child(config_path: str, overrides: list[str], device_memory: int | None) -> dict:
@@ -37,18 +36,15 @@ def plan_child(config_path: str, overrides: list[str], device_memory: int | None
 
 def train_child(config_path: str, overrides: list[str], device_memory: int | None) -> dict:
   del device_memory  # The pick trains on the whole device: its peak is what it needs.
+  from jaxoffload.memory import peak_device_bytes
   from jaxoffload.train import launch, load_config, run
 
   config = load_config(config_path, overrides + ["logging.progress_bar=False"])
   launch.set_xla_flags(config)  # Before JAX starts its backends, as the trainer's command does.
-  import jax  # noqa: E402
-
   result = run(config, log=lambda line: print(line, file=sys.stderr))
   times = [r.step_s for r in result.records]
   return {"step_s": times, "median_step_s": statistics.median(times[1:] or times),
-          "peak_device_bytes": jax.devices()[0].memory_stats().get("peak_bytes_in_use")
-          if jax.devices()[0].memory_stats() else None,
-          "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+          "peak_device_bytes": peak_device_bytes(), "peak_rss_bytes": peak_rss(),
           "losses": result.losses}
 
 
