@@ -69,9 +69,9 @@ def test_the_search_stops_once_the_pick_beats_every_bound(compiled_as_resident):
   assert pick.device_bytes <= 0.95 * budgets.device
   # Save everything is the fastest activation setting in CALIBRATION.
   assert pick.activations == "save everything"
-  for row in rows:
-    if row.verdict == "not compiled: slower than the pick":
-      assert row.device_bytes is None and row.step_s >= pick.step_s
+  pruned = [row for row in rows if row.verdict == "not compiled: slower than the pick"]
+  assert pruned and all(row.device_bytes is None and row.step_s >= pick.step_s
+                        for row in pruned)
   # The least offload of the pick's ladder that fits: one layer-sized step less does not.
   less = dataclasses.replace(config.optimizer, optimizer_cpu_offload=True,
                              optimizer_offload_fraction=pick.fraction - 1 / 4,
@@ -97,9 +97,9 @@ def test_both_placements_are_tried_where_the_state_alone_fits_but_the_step_does_
   pick, rows = plan.plan(config, budgets, machine=machine, calibration=CALIBRATION, log=print)
   compiled = [r for r in rows if r.device_bytes is not None]
   assert pick.update_on == "host_kernel"
+  assert any(r.update_on == "device" and r.fraction > 0 for r in compiled)
   assert all(r.fraction > 0 for r in compiled if r.verdict == "fits")
   assert pick.step_s == min(r.step_s for r in compiled if r.verdict == "fits")
-  assert len({r.overrides for r in rows}) == len(rows)
 
 
 def test_settings_whose_state_alone_cannot_fit_are_never_compiled(compiled_as_resident,

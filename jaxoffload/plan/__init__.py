@@ -13,8 +13,8 @@ Each candidate is judged before anything is allocated:
 - step time: predicted from a short calibration of this machine
   (``jaxoffload.plan.timing`` says how).
 
-It prints the candidates it compiled, marks what fits, and picks the fastest
-that fits. ``optimizer.optimizer_offload_fraction=auto`` in the trainer runs the
+It prints every candidate it judged (compiled or not, and why), marks what
+fits, and picks the fastest that fits. ``optimizer.optimizer_offload_fraction=auto`` in the trainer runs the
 same search over the offload alone.
 """
 
