@@ -3,8 +3,8 @@
 A checkpoint holds the run's state in a form no setting owns: ``params`` (the
 whole parameter tree, whatever was offloaded), ``mu`` and ``nu`` (Adam's
 moments, trees like it, whichever optimizer held them), ``host_kernel`` (a
-delayed host update's held gradients, if any) and ``meta`` (the resolved
-config and the step, as JSON). Orbax records no memory kind: a resume reads
+delayed host update's held gradients and their scale, its count and predicted
+weights, if any) and ``meta`` (the resolved config and the step, as JSON). Orbax records no memory kind: a resume reads
 each leaf into the resuming run's grouping, dtype and placement
 (``jaxoffload.train.reader``), so a run can change its offload fraction, its
 update placement, its activation or weights offload and its moments' dtypes
@@ -254,7 +254,8 @@ def locate(path: str) -> tuple[ocp.CheckpointManager, int]:
 
 
 def read_meta(checkpoints: ocp.CheckpointManager, step: int) -> dict[str, Any]:
-  """The ``meta`` item of a step: ``{"step": ..., "config": {...}}``."""
+  """The ``meta`` item of a step: ``{"step": ..., "config": {...}, "host_kernel": [keys of
+  its host_kernel item]}``."""
   return checkpoints.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
 

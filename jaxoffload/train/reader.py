@@ -5,8 +5,9 @@ structure in the layer grouping of the run that wrote them. ``read_tree`` reads
 one into another run's grouping (another ``cpu_offloading_num_layers``, weights
 offload), dtypes and placements, one leaf at a time: a leaf whose layers the
 two groupings cut alike goes straight into its placement; one they cut
-differently is joined from the saved stacks in host memory first. No more than
-one leaf's bytes are staged on the host, whatever the model's size.
+differently is joined from the saved stacks in host memory first. The host
+stages one leaf and the saved stacks it is cut from at a time (``staging_bytes``),
+whatever the model's size.
 """
 
 from __future__ import annotations
@@ -51,10 +52,16 @@ def read_tree(checkpoints: ocp.CheckpointManager, step: int, item: str,
   return jax.tree_util.tree_map_with_path(read, targets)
 
 
-def staging_bytes(targets: Any) -> int:
-  """The most host bytes ``read_tree`` stages at once for ``targets``: one whole leaf and its
-  saved pieces beside it (float32 at most)."""
-  return max((2 * math.prod(t.shape) * 4 for t in jax.tree.leaves(targets)), default=0)
+def staging_bytes(targets: Any, num_layers: int) -> int:
+  """The most host bytes ``read_tree`` stages at once for ``targets`` of a ``num_layers``
+  model: one leaf, and beside it the saved stacks it is cut from, which hold at most every
+  layer (float32 at most)."""
+  def most(path, target) -> int:
+    saved = target.shape if group_layers(path[0].key) is None else (
+        (num_layers,) + tuple(target.shape[1:]))
+    return (math.prod(target.shape) + math.prod(saved)) * 4
+
+  return max(jax.tree.leaves(jax.tree_util.tree_map_with_path(most, targets)), default=0)
 
 
 class Piece(NamedTuple):

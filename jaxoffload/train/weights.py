@@ -73,7 +73,8 @@ def staging_bytes(setup: Setup) -> int:
                for x, s in zip(jax.tree.leaves(setup.param_shapes),
                                jax.tree.leaves(setup.param_shardings)))
   if c.checkpoint.init_from is not None or c.checkpoint.dir is not None:
-    return reader.staging_bytes(setup.param_shapes)  # Resumed or started from a run.
+    # Maybe resumed from checkpoint.dir, or started from another run.
+    return reader.staging_bytes(setup.param_shapes, setup.model.num_layers)
   return 0  # Initialised on the devices.
 
 
