@@ -56,14 +56,19 @@ def manager(config: Config) -> Optional[ocp.CheckpointManager]:
   return ocp.CheckpointManager(path, options=options)
 
 
-def size_on_disk(setup: Setup) -> int:
-  """About the bytes one checkpoint of ``setup``'s run writes: the parameters and both
-  moments (float32 for the host kernel's leaves), before compression."""
+def bytes_per_element(setup: Setup) -> list[int]:
+  """Per parameter leaf, the bytes a checkpoint holds of each element: the parameter and
+  both moments, float32 for the host kernel's leaves."""
   moment_bytes = sum(jnp.dtype(d).itemsize for d in rules.moment_dtypes(setup.config))
-  host = setup.offload.offloaded if setup.host_kernel else (False,) * len(
-      jax.tree.leaves(setup.param_shapes))
-  return sum(math.prod(p.shape) * (12 if on_host else p.dtype.itemsize + moment_bytes)
-             for p, on_host in zip(jax.tree.leaves(setup.param_shapes), host))
+  shapes = jax.tree.leaves(setup.param_shapes)
+  host = setup.offload.offloaded if setup.host_kernel else (False,) * len(shapes)
+  return [12 if on_host else p.dtype.itemsize + moment_bytes for p, on_host in zip(shapes, host)]
+
+
+def size_on_disk(setup: Setup) -> int:
+  """About the bytes one checkpoint of ``setup``'s run writes, before compression."""
+  return sum(math.prod(p.shape) * n for p, n in zip(jax.tree.leaves(setup.param_shapes),
+                                                      bytes_per_element(setup)))
 
 
 def check_space(checkpoints: ocp.CheckpointManager, setup: Setup) -> None:
@@ -123,10 +128,10 @@ def _writing(checkpoints: ocp.CheckpointManager) -> Iterator[None]:
   except Exception as error:  # Whatever orbax or tensorstore raise for a failed write.
     found = _OS_REASONS.search(str(error))
     reason = found.group(0) if found else _reason(error)
-    directory = os.fspath(checkpoints.directory)
-    steps = sorted(int(name) for name in os.listdir(directory) if name.isdigit())
-    raise ConfigError(f"a checkpoint could not be written to {directory!r} ({reason}); the "
-                      f"run stopped; its complete checkpoints: steps {steps or 'none'}") from None
+    steps = sorted(checkpoints.all_steps(read=True))
+    raise ConfigError(f"a checkpoint could not be written to {os.fspath(checkpoints.directory)!r} "
+                      f"({reason}); the run stopped; its complete checkpoints: steps "
+                      f"{steps or 'none'}") from None
 
 
 def read(checkpoints: ocp.CheckpointManager, step: int, setup: Setup) -> tuple[Any, Moments]:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from jaxoffload.host_offload import host_bytes_per_element
 from jaxoffload.memory import host_rss_bytes, offloaded_activation_bytes, parse_bytes
-from jaxoffload.train import rules, weights
+from jaxoffload.train import checkpoints, rules, weights
 from jaxoffload.train.config import ConfigError
 from jaxoffload.train.resolve import Setup
 
@@ -28,9 +28,8 @@ from jaxoffload.train.resolve import Setup
 # (docs/performance.md#host-memory).
 PINNED_POOL_SLACK = 1 / 8
 RUNTIME_BYTES = 2 * 2**30
-# A save raises the host's memory by about the checkpoint's bytes, and by more
-# than twice them where the host kernel holds the state
-# (docs/performance.md#host-memory).
+# How many times its checkpoint's bytes a save of the host kernel's state adds
+# to the host's memory; other state adds them once (docs/performance.md#host-memory).
 HOST_KERNEL_SAVE_COPIES = 2.5
 # XLA's pinned pool on GPUs stops at 64 GiB unless this variable says otherwise.
 PINNED_POOL_VARIABLE = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
@@ -98,7 +97,8 @@ def needed(setup: Setup) -> HostBytes:
   transfer = iter(setup.transfer_dtypes if setup.host_kernel else ())
   moment_bytes = sum(jnp.dtype(d).itemsize for d in rules.moment_dtypes(setup.config))
   saved = 0  # What a save adds: copies of the state a checkpoint holds, this process's shards.
-  for shape, sharding, off, fetch in zip(shapes, shardings, offloaded, fetched):
+  for shape, sharding, off, fetch, checkpointed in zip(
+      shapes, shardings, offloaded, fetched, checkpoints.bytes_per_element(setup)):
     elements = local_elements(shape.shape, sharding)
     if off and setup.host_kernel:
       wire = next(transfer)
@@ -110,13 +110,13 @@ def needed(setup: Setup) -> HostBytes:
       grads = (2 if o.delayed_update or setup.sums_on_host else 1) * wire.itemsize
       held["host kernel weights and copies"] += elements * (pinned + grads)
       held["host kernel moments and sums"] += elements * unpinned
-      saved += elements * 12 * HOST_KERNEL_SAVE_COPIES  # Its float32 weights and moments.
+      saved += elements * checkpointed * HOST_KERNEL_SAVE_COPIES
       continue
     if off:
       held["optimizer state"] += elements * moment_bytes
     if fetch:  # And their gradients, which arrive in host memory.
       held["offloaded weights"] += 2 * elements * shape.dtype.itemsize
-    saved += elements * (shape.dtype.itemsize + moment_bytes)
+    saved += elements * checkpointed
   pinned = sum(held.values()) - held["host kernel moments and sums"]
   held["pinned allocator overhead"] = int(PINNED_POOL_SLACK * pinned)
   held["JAX runtime"] = RUNTIME_BYTES
