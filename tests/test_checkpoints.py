@@ -1,6 +1,7 @@
 """Checkpoints: a resumed run continues exactly, into the same memory kinds, even after a kill."""
 
 import re
+import shutil
 import subprocess
 import sys
 import types
@@ -259,6 +260,10 @@ def test_saving_host_resident_state_every_step_changes_no_loss(tmp_path, offload
                                           "checkpoint.save_interval=1"]), log=QUIET)
   np.testing.assert_array_equal(saved, whole)
   assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "2", "3"]
+  # Step 2's checkpoint holds step 2's state, though step 3 ran right after the save.
+  shutil.rmtree(tmp_path / "3")
+  resumed = train(load_config(None, base + [f"checkpoint.dir={tmp_path}"]), log=QUIET)
+  np.testing.assert_array_equal(resumed, whole[2:])
 
 
 def test_a_disk_too_small_for_one_checkpoint_is_refused_before_training(tmp_path, monkeypatch):
