@@ -273,8 +273,8 @@ class Llama(nn.Module):
       if group.offload_weights or group.fetch_weights:
         # Inside the scan each layer's slice of the host-resident stack comes to
         # the device just before use; its gradient goes back to host memory.
-        # Fetched inside the remat below, so the backward pass fetches it again
-        # instead of keeping every layer's device copy alive.
+        # Fetched inside the remat below, if the group has one, so that the backward
+        # pass fetches it again instead of keeping every layer's device copy.
         layer = nn.map_variables(layer, "params", trans_in_fn=to_device, init=True)
       policy = group.policy()
       if policy is not None:

@@ -68,7 +68,8 @@ def regroup(params: dict, groups: Sequence[LayerGroup]) -> dict:
   Example:
     >>> params = regroup(params, layer_groups(cfg.num_layers, offload_num_layers=11))
   """
-  stacks = sorted((group_layers(name).start, name) for name in params if group_layers(name))
+  stacks = sorted((layers.start, name) for name in params
+                  if (layers := group_layers(name)) is not None)
   layers = jax.tree.map(lambda *xs: jnp.concatenate(xs), *[params[name] for _, name in stacks])
   rest = {name: value for name, value in params.items() if group_layers(name) is None}
   for group in groups:

@@ -189,12 +189,12 @@ class Trainer:
     None): they are read into numpy, one leaf at a time."""
     like = lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
     targets = {"params": jax.tree.map(like, self.setup.param_shapes, self.setup.param_shardings)}
+    host = [jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=None)
+            for p in self.programs.host_leaves(jax.tree.leaves(self.setup.param_shapes))]
     for name in ("mu", "nu"):
       placed = jax.tree.leaves(jax.tree.map(
           like, otu.tree_get(self.programs.abstract_state, name),
           otu.tree_get(self.programs.state_shardings, name)))
-      host = [jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=None)
-              for p in self.programs.host_leaves(jax.tree.leaves(self.setup.param_shapes))]
       targets[name] = self.programs.tree(placed, host)
     o = self.setup.config.optimizer
     if self.setup.host_kernel and o.delayed_update:
