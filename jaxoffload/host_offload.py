@@ -305,7 +305,7 @@ class HostAdamW:
     Args:
       copy: weights in new arrays that later updates leave alone. With False, the live
         weights themselves, which the save must have written before the next
-        ``update``. The moments are always copies, outside XLA's pinned pool.
+        ``update``. The moments are always copies (``host_arrays.whole_copy``).
     """
     # With copy, copied before returning: with bfloat16 copies the next update
     # rewrites these float32 weights in place, ordered after no device work.
