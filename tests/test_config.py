@@ -169,7 +169,10 @@ def test_every_shipped_config_trains_at_a_tiny_width(path):
      "optimizer.delayed_update=True with gradient accumulation (train.micro_batch_size=4 < "
      "train.global_batch_size=8): the host kernel sums a step's micro-batches in host memory, "
      "and a delayed update would still hold them while the next step overwrites them; set "
-     "train.micro_batch_size=8 or optimizer.delayed_update=False"),
+     "optimizer.accumulate_offloaded_grads_on=device, train.micro_batch_size=8 or "
+     "optimizer.delayed_update=False"),
+    (["optimizer.accumulate_offloaded_grads_on=cpu"],
+     "optimizer.accumulate_offloaded_grads_on must be one of ['host', 'device'], got 'cpu'"),
     (["optimizer.delayed_update_after=-1", "optimizer.delayed_update=True",
       "optimizer.optimizer_offload_update_on=host_kernel"],
      "optimizer.delayed_update_after must be >= 0, got -1"),

@@ -79,7 +79,7 @@ def test_the_search_stops_once_the_pick_beats_every_bound(compiled_as_resident):
   fewer = resolve(dataclasses.replace(config, optimizer=less))
   assert resident_device_bytes(Trainer.from_shapes(fewer)) + TEMPORARIES > 0.95 * budgets.device
   lines = plan.table(rows, pick)
-  assert lines[0].startswith("| activations | micro-batch | update on | offload (achieved) |")
+  assert lines[0].startswith("| activations | micro-batch | update on | gradient sums | offload (achieved) |")
   assert sum("(pick)" in line for line in lines) == 1
 
 
@@ -100,6 +100,28 @@ def test_both_placements_are_tried_where_the_state_alone_fits_but_the_step_does_
   assert any(r.update_on == "device" and r.fraction > 0 for r in compiled)
   assert all(r.fraction > 0 for r in compiled if r.verdict == "fits")
   assert pick.step_s == min(r.step_s for r in compiled if r.verdict == "fits")
+
+
+def test_the_host_kernel_sums_on_the_host_where_the_device_cannot_hold_the_sums(monkeypatch):
+  # Summed on the device, a step's gradients take 4 bytes an element more.
+  config = load_config(None, ["train.global_batch_size=16", "train.micro_batch_size=4"])
+  elements = sum(x.size for x in __import__("jax").tree.leaves(resolve(config).param_shapes))
+  monkeypatch.setattr(Trainer, "compile", lambda self, tokens: CompiledStep(
+      (), resident_device_bytes(self) + TEMPORARIES + (
+          0 if self.setup.sums_on_host else 4 * elements), 0))
+  all_on_host = resident_device_bytes(Trainer.from_shapes(resolve(load_config(None, [
+      "train.global_batch_size=16", "train.micro_batch_size=4", *search._offload(
+          1.0, "host_kernel", "host")]))))
+  budgets = plan.Budgets(device=int((all_on_host + TEMPORARIES + 2 * elements) / 0.95),
+                         host=10**12)
+  pick, rows = plan.plan(config, budgets, machine=MACHINE, calibration=CALIBRATION, log=print)
+  assert (pick.update_on, pick.grad_sums) == ("host_kernel", "host")
+  summed_on_device = [r for r in rows if r.update_on == "host_kernel" and r.grad_sums == "device"]
+  assert summed_on_device and all(r.verdict != "fits" for r in summed_on_device)
+  # With room for the sums, one program is the faster setting.
+  budgets = plan.Budgets(device=budgets.device + 4 * elements, host=10**12)
+  pick, _ = plan.plan(config, budgets, machine=MACHINE, calibration=CALIBRATION, log=print)
+  assert pick.grad_sums == "device"
 
 
 def test_settings_whose_state_alone_cannot_fit_are_never_compiled(compiled_as_resident,
@@ -167,7 +189,7 @@ def test_the_planner_prints_a_command_that_trains(monkeypatch, capsys):
   monkeypatch.setattr(search, "calibrate", lambda configs, log: CALIBRATION)
   plan_main(["train.train_iters=2"])
   out = capsys.readouterr().out
-  assert "| activations | micro-batch | update on | offload (achieved) |" in out
+  assert "| activations | micro-batch | update on | gradient sums | offload (achieved) |" in out
   command = out.strip().splitlines()[-1].split()
   assert command[:3] == ["python", "-m", "jaxoffload.train"]
   train_main(command[3:])

@@ -17,6 +17,7 @@ from jaxoffload.train import Trainer, host_memory, resolve
 from jaxoffload.train.config import Config, ConfigError
 from jaxoffload.train.loading import override
 from jaxoffload.train.resolve import Setup, host_kernel_allowed
+from jaxoffload.train.rules import GRAD_SUMS_PLACES
 from jaxoffload.train.step import resident_device_bytes
 
 DEVICE_HEADROOM = 0.05  # XLA's estimate leaves out fragmentation and the runtime's own use.
@@ -34,6 +35,8 @@ class Candidate:
     micro_batch_size: ``train.micro_batch_size``.
     fraction: ``optimizer.optimizer_offload_fraction`` (0: no optimizer offload).
     update_on: ``optimizer.optimizer_offload_update_on``.
+    grad_sums: where gradients are summed over micro-batches (the host kernel's leaves'
+      with ``optimizer.accumulate_offloaded_grads_on=host``); ``-`` without accumulation.
     achieved: the share of elements the plan offloads (whole leaves).
     device_bytes: XLA's device peak of the step; None where it was not compiled.
     host_bytes: the host memory the process will hold.
@@ -48,6 +51,7 @@ class Candidate:
   micro_batch_size: int
   fraction: float
   update_on: str
+  grad_sums: str
   achieved: float
   device_bytes: Optional[int]
   host_bytes: int
@@ -100,6 +104,7 @@ def plan(config: Config, budgets: Budgets, *, explore: bool = True, log: Log = p
   """The fastest candidate that fits ``budgets``, and what each combination came to.
 
   Each combination of activation setting, micro-batch size and update placement
+  (with the host kernel and accumulation, and where its leaves' gradients are summed)
   is a ladder of offload fractions in layer-sized steps. Its least fraction
   whose state alone fits (found without compiling) bounds its step time from
   below; ladders are tried fastest bound first, until the pick is faster than
@@ -130,9 +135,15 @@ def plan(config: Config, budgets: Budgets, *, explore: bool = True, log: Log = p
                                                     and host_kernel_allowed(config))]
   if not explore and config.optimizer.optimizer_offload_update_on in PLACES:
     places = [config.optimizer.optimizer_offload_update_on]
-  ladders = [_Ladder(config, name, list(o) + [f"train.micro_batch_size={size}"], place,
+
+  def sums(place, size):  # Where the host kernel's leaves' gradients may be summed.
+    accumulates = size < config.train.global_batch_size
+    return GRAD_SUMS_PLACES if explore and accumulates and place == "host_kernel" else (None,)
+
+  ladders = [_Ladder(config, name, list(o) + [f"train.micro_batch_size={size}"], (place, at),
                      machine, calibration, baseline)
-             for name, o in settings.items() for size in sizes for place in places]
+             for name, o in settings.items() for size in sizes for place in places
+             for at in sums(place, size)]
   return _search(ladders, budgets)
 
 
@@ -168,9 +179,11 @@ def _search(ladders: list["_Ladder"], budgets: Budgets
 class _Ladder:
   """One combination's candidates by offload fraction, ``k / num_layers``, resolved when
   asked for; ``least`` and ``smallest_fitting`` bisect them (the device's bytes fall and
-  the host's rise as the fraction does)."""
+  the host's rise as the fraction does). Its ``place`` is the update placement and where
+  the host kernel's leaves' gradients are summed (None: as the config says)."""
 
-  def __init__(self, config: Config, name: str, base: list[str], place: str,
+  def __init__(self, config: Config, name: str, base: list[str],
+               place: tuple[str, Optional[str]],
                machine: autoplace.Machine, calibration: Optional[Calibration], baseline: int):
     self.config, self.name, self.base, self.place = config, name, base, place
     self.machine, self.calibration, self.baseline = machine, calibration, baseline
@@ -182,15 +195,17 @@ class _Ladder:
     """Step ``step``'s setup and candidate (not compiled); None where a rule refuses it."""
     if step not in self._setups:
       fraction = step / self.steps
-      overrides = self.base + _offload(fraction, self.place)
+      overrides = self.base + _offload(fraction, *self.place)
       try:
         setup = resolve(override(self.config, overrides))
       except ConfigError:
         self._setups[step] = None
         return None
+      grad_sums = "host" if setup.sums_on_host else "device" if setup.micro_batches > 1 else "-"
       self._setups[step] = setup, Candidate(
           self.name, setup.config.train.micro_batch_size, fraction,
-          self.place if fraction else "-", setup.offload.fraction if setup.offload else 0.0,
+          self.place[0] if fraction else "-", grad_sums,
+          setup.offload.fraction if setup.offload else 0.0,
           None, self.baseline + host_memory.needed(setup).total,
           predict_s(setup, self.calibration, self.machine), tuple(overrides))
     return self._setups[step]
@@ -247,12 +262,14 @@ def _first(low: int, high: int, holds: Callable[[int], bool]) -> Optional[int]:
   return found
 
 
-def _offload(fraction: float, place: str) -> list[str]:
+def _offload(fraction: float, place: str, grad_sums: Optional[str] = None) -> list[str]:
   if not fraction:
     return ["optimizer.optimizer_cpu_offload=False", "optimizer.optimizer_offload_fraction=0.0"]
   return ["optimizer.optimizer_cpu_offload=True",
           f"optimizer.optimizer_offload_fraction={fraction}",
-          f"optimizer.optimizer_offload_update_on={place}"]
+          f"optimizer.optimizer_offload_update_on={place}"] + (
+              [] if grad_sums is None else
+              [f"optimizer.accumulate_offloaded_grads_on={grad_sums}"])
 
 
 def _micro_batch_sizes(config: Config) -> list[int]:
@@ -265,11 +282,12 @@ def _micro_batch_sizes(config: Config) -> list[int]:
 
 def table(rows: list[Candidate], pick: Optional[Candidate]) -> list[str]:
   """One markdown row per combination the planner judged, the pick marked."""
-  lines = ["| activations | micro-batch | update on | offload (achieved) | device peak | host "
-           "| predicted step | fits |", "|---|---|---|---|---|---|---|---|"]
+  lines = ["| activations | micro-batch | update on | gradient sums | offload (achieved) "
+           "| device peak | host | predicted step | fits |", "|---|---|---|---|---|---|---|---|---|"]
   for c in rows:
     device = "-" if c.device_bytes is None else host_memory.size(c.device_bytes)
-    lines.append(f"| {c.activations} | {c.micro_batch_size} | {c.update_on} | {c.fraction:.2f} "
+    lines.append(f"| {c.activations} | {c.micro_batch_size} | {c.update_on} | {c.grad_sums} "
+                 f"| {c.fraction:.2f} "
                  f"({c.achieved:.2f}) | {device} | {host_memory.size(c.host_bytes)} | "
                  f"{c.step_s * 1e3:,.1f} ms | {c.verdict}{' (pick)' if c == pick else ''} |")
   return lines

@@ -120,6 +120,13 @@ class OptimizerConfig:
       offloaded weights and sends their clipped gradients: bfloat16 halves both copies
       for the leaves the model multiplies in bfloat16 (norm scales stay float32);
       needs model.dtype=bfloat16.
+    accumulate_offloaded_grads_on: with host_kernel and gradient accumulation, where
+      the host kernel's leaves' gradients are summed over the micro-batches: host (a
+      program per micro-batch; the model fetches their stacked weights a layer at a
+      time and their gradients leave the device as they are made, so the device
+      holds neither them nor their sums) or device (one program summing every
+      leaf's gradients in float32 on the device: faster where the sums fit;
+      ``python -m jaxoffload.plan`` tries both).
     exp_avg_dtype: dtype of Adam's first moment, float32 or bfloat16 (Megatron-Core's
       precision-aware optimizer); null: model.params_dtype. A bfloat16 moment of
       float32 parameters halves its memory, device or host, and is rounded
@@ -155,6 +162,7 @@ class OptimizerConfig:
   delayed_update_predict_weights: bool = False
   overlap_cpu_optimizer_d2h_h2d: bool = False
   offload_transfer_dtype: str = "float32"
+  accumulate_offloaded_grads_on: str = "host"
   exp_avg_dtype: Optional[str] = None
   exp_avg_sq_dtype: Optional[str] = None
   main_params_dtype: Optional[str] = None

@@ -79,8 +79,10 @@ class Setup:
   @property
   def sums_on_host(self) -> bool:
     """Whether the host kernel sums its leaves' gradients over micro-batches (a program per
-    micro-batch, ``StepPrograms``): with it and several micro-batches."""
-    return self.host_kernel and self.micro_batches > 1
+    micro-batch, ``StepPrograms``): with it, several micro-batches and
+    ``optimizer.accumulate_offloaded_grads_on=host``."""
+    return (self.host_kernel and self.micro_batches > 1
+            and self.config.optimizer.accumulate_offloaded_grads_on == "host")
 
   @property
   def state_in_host_memory(self) -> bool:
@@ -153,13 +155,15 @@ def resolve(config: Config) -> Setup:
                                                           offload.mask)
   shardings = jax.tree.map(lambda s, host: s.with_memory_kind("pinned_host") if host else s,
                            shardings, in_host)
-  if host_kernel and config.train.global_batch_size > config.train.micro_batch_size:
-    # Summing micro-batches on the host: the model fetches the host kernel's stacked
-    # leaves a layer at a time, and their gradients leave the device as they are made.
+  setup = Setup(config=config, model=model, groups=groups, mesh=mesh, param_shapes=shapes,
+                param_shardings=shardings, offload=offload, fetched_by_model=fetched,
+                schedule=learning_rate(config), choices=tuple(choices), data=run_data)
+  if setup.sums_on_host:
+    # The model fetches the host kernel's stacked leaves a layer at a time, and their
+    # gradients leave the device as they are made.
     groups, fetched = _fetching_host_leaves(groups, in_host)
-  return Setup(config=config, model=model, groups=groups, mesh=mesh, param_shapes=shapes,
-               param_shardings=shardings, offload=offload, fetched_by_model=fetched,
-               schedule=learning_rate(config), choices=tuple(choices), data=run_data)
+    setup = dataclasses.replace(setup, groups=groups, fetched_by_model=fetched)
+  return setup
 
 
 def _fetching_host_leaves(groups: tuple[LayerGroup, ...], in_host: Any

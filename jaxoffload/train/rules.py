@@ -22,6 +22,7 @@ ATTENTION_IMPLEMENTATIONS = (None, "xla", "cudnn")
 CUDA_GRAPH_IMPLS = ("none", "local", "transformer_engine")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 UPDATE_PLACEMENTS = UPDATE_PLACES + ("host_kernel", "auto")
+GRAD_SUMS_PLACES = ("host", "device")
 DATASETS = ("synthetic", "text")
 
 
@@ -104,6 +105,8 @@ def _check_choices(config: Config) -> None:
   _one_of("optimizer.optimizer_offload_update_on", o.optimizer_offload_update_on,
           UPDATE_PLACEMENTS)
   _one_of("optimizer.offload_transfer_dtype", o.offload_transfer_dtype, DTYPES)
+  _one_of("optimizer.accumulate_offloaded_grads_on", o.accumulate_offloaded_grads_on,
+          GRAD_SUMS_PLACES)
   _one_of("optimizer.exp_avg_dtype", o.exp_avg_dtype, (None,) + DTYPES)
   _one_of("optimizer.exp_avg_sq_dtype", o.exp_avg_sq_dtype, (None,) + DTYPES)
   _one_of("optimizer.main_params_dtype", o.main_params_dtype, (None,) + DTYPES)
@@ -217,12 +220,14 @@ def _check_host_kernel(config: Config) -> None:
     raise ConfigError("optimizer.delayed_update=True needs optimizer.optimizer_offload_update_on="
                       f"host_kernel, got {o.optimizer_offload_update_on!r}")
   t = config.train
-  if o.delayed_update and t.micro_batch_size < t.global_batch_size:
+  if (o.delayed_update and t.micro_batch_size < t.global_batch_size
+      and o.accumulate_offloaded_grads_on == "host"):
     raise ConfigError(
         f"optimizer.delayed_update=True with gradient accumulation (train.micro_batch_size="
         f"{t.micro_batch_size} < train.global_batch_size={t.global_batch_size}): the host kernel "
         f"sums a step's micro-batches in host memory, and a delayed update would still hold "
-        f"them while the next step overwrites them; set train.micro_batch_size="
+        f"them while the next step overwrites them; set "
+        f"optimizer.accumulate_offloaded_grads_on=device, train.micro_batch_size="
         f"{t.global_batch_size} or optimizer.delayed_update=False")
   if o.delayed_update_after < 0:
     raise ConfigError(f"optimizer.delayed_update_after must be >= 0, got {o.delayed_update_after}")
