@@ -14,6 +14,10 @@ flags = [os.environ.get("XLA_FLAGS"), "--xla_force_host_platform_device_count=8"
 if shutil.which("nvidia-smi") is None:
   # The tests' programs are tiny: compiling them fast matters, running them fast does not.
   flags.append("--xla_backend_optimization_level=0")
+else:
+  # Resumed runs must match uninterrupted ones bit for bit: no atomics in the reductions
+  # and scatters (the embedding's gradient) that a GPU may order differently each run.
+  flags.append("--xla_gpu_deterministic_ops=true")
 os.environ["XLA_FLAGS"] = " ".join(filter(None, flags))
 # Many tests compile the same tiny programs, in this process and in the ones
 # they start: XLA's persistent cache compiles each once.
