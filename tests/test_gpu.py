@@ -100,8 +100,11 @@ def test_offloaded_bf16_gradients_with_cudnn_attention_equal_saved():
                               BF16_CONFIG.vocab_size)
   saved, params = bf16_grad_step(SAVED, tokens)
   offloaded, offloaded_params = bf16_grad_step(OFFLOADED, tokens)
-  want_loss, want = saved.compile()(params)
-  got_loss, got = offloaded.compile()(offloaded_params)
+  # XLA fails to run cuDNN attention with offloaded residuals under the deterministic ops
+  # that conftest asks for on a GPU.
+  nondeterministic = {"xla_gpu_deterministic_ops": False}
+  want_loss, want = saved.compile(nondeterministic)(params)
+  got_loss, got = offloaded.compile(nondeterministic)(offloaded_params)
   assert abs(float(got_loss) - float(want_loss)) <= 1e-3 * float(want_loss)
   # bf16 rounding alone moves leaves by up to 1.6% of their largest entry (full
   # recompute against saving, on CPU); the bug's gradients were wrong outright.

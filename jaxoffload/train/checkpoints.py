@@ -128,6 +128,8 @@ def _writing(checkpoints: ocp.CheckpointManager) -> Iterator[None]:
   except Exception as error:  # Whatever orbax or tensorstore raise for a failed write.
     found = _OS_REASONS.search(str(error))
     reason = found.group(0) if found else _reason(error)
+    with contextlib.suppress(Exception):  # An earlier save still in flight is complete first.
+      checkpoints.wait_until_finished()
     steps = sorted(checkpoints.all_steps(read=True))
     raise ConfigError(f"a checkpoint could not be written to {os.fspath(checkpoints.directory)!r} "
                       f"({reason}); the run stopped; its complete checkpoints: steps "
