@@ -27,11 +27,12 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
+# GPU float32 matmuls default to TF32; parity tests compare against float32 math. Set in
+# the environment, so that the runs tests start in other processes compute alike.
+os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
-
-# GPU float32 matmuls default to TF32; parity tests compare against float32 math.
-jax.config.update("jax_default_matmul_precision", "highest")
 
 
 def pytest_collection_modifyitems(config, items):
