@@ -20,13 +20,15 @@ import sys
 from common import metadata, peak_rss, run_children, write_report
 
 
-def plan_child(config_path: str, overrides: list[str], device_memory: int | None) -> dict:
+def plan_child(config_path: str, overrides: list[str], device_memory: int | None,
+               explore: bool) -> dict:
   from jaxoffload import plan
   from jaxoffload.train import load_config
 
   config = load_config(config_path, overrides)
   budgets = plan.budgets_of(config, device_memory)
-  pick, rows = plan.plan(config, budgets, log=lambda line: print(line, file=sys.stderr))
+  pick, rows = plan.plan(config, budgets, explore=explore,
+                         log=lambda line: print(line, file=sys.stderr))
   return {"table": plan.table(rows, pick), "device_budget": budgets.device,
           "host_budget": budgets.host,
           "pick": None if pick is None else {
@@ -34,8 +36,9 @@ def plan_child(config_path: str, overrides: list[str], device_memory: int | None
               "device_bytes": pick.device_bytes, "host_bytes": pick.host_bytes}}
 
 
-def train_child(config_path: str, overrides: list[str], device_memory: int | None) -> dict:
-  del device_memory  # The pick trains on the whole device: its peak is what it needs.
+def train_child(config_path: str, overrides: list[str], device_memory: int | None,
+                explore: bool) -> dict:
+  del device_memory, explore  # The pick trains on the whole device: its peak is what it needs.
   from jaxoffload.memory import peak_device_bytes
   from jaxoffload.train import launch, load_config, run
 
@@ -57,15 +60,19 @@ def main() -> None:
   parser.add_argument("--device-memory", type=int, default=None,
                       help="bytes the plan may use of each device (default: what JAX reports), "
                            "to plan for a smaller device")
+  parser.add_argument("--offload-only", action="store_true",
+                      help="keep the config's activation setting and micro-batch size")
   parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
   parser.add_argument("overrides", nargs="*", metavar="section.key=value")
   args = parser.parse_args()
   if args.child:
     work = {"plan": plan_child, "train": train_child}[args.child[0]]
-    print(json.dumps(work(args.config, args.child[1:] + args.overrides, args.device_memory)))
+    print(json.dumps(work(args.config, args.child[1:] + args.overrides, args.device_memory,
+                          not args.offload_only)))
     return
   common = ((["--config", args.config] if args.config else [])
             + ([f"--device-memory={args.device_memory}"] if args.device_memory else [])
+            + (["--offload-only"] if args.offload_only else [])
             + args.overrides)
   result, = run_children(__file__, [["plan"]], common)
   pick = result["pick"]

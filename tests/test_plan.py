@@ -7,6 +7,7 @@ compiler with the state's own device bytes plus a fixed temporary.
 
 import dataclasses
 
+import jax
 import pytest
 
 from jaxoffload import autoplace, plan
@@ -46,7 +47,7 @@ def test_a_step_is_predicted_as_the_sum_of_its_parts():
   c = CALIBRATION
   # Half the micro-batch: three quarters of the time shrink by half.
   compute = 2 * (0.75 * 0.5 + 0.25) * (c.fixed_s + 1 * 0.006 + 3 * 0.004)
-  sizes = [x.size for x in __import__("jax").tree.leaves(setup.param_shapes)]
+  sizes = [x.size for x in jax.tree.leaves(setup.param_shapes)]
   host = sum(n for n, off in zip(sizes, setup.offload.offloaded) if off)
   adam = (sum(sizes) - host) * 28 / c.device_bandwidth
   added = autoplace.choose(MACHINE, offloaded_elements=host, moment_bytes_per_element=8,
@@ -79,7 +80,8 @@ def test_the_search_stops_once_the_pick_beats_every_bound(compiled_as_resident):
   fewer = resolve(dataclasses.replace(config, optimizer=less))
   assert resident_device_bytes(Trainer.from_shapes(fewer)) + TEMPORARIES > 0.95 * budgets.device
   lines = plan.table(rows, pick)
-  assert lines[0].startswith("| activations | micro-batch | update on | gradient sums | offload (achieved) |")
+  assert lines[0].startswith(
+      "| activations | micro-batch | update on | gradient sums | offload (achieved) |")
   assert sum("(pick)" in line for line in lines) == 1
 
 
@@ -105,7 +107,7 @@ def test_both_placements_are_tried_where_the_state_alone_fits_but_the_step_does_
 def test_the_host_kernel_sums_on_the_host_where_the_device_cannot_hold_the_sums(monkeypatch):
   # Summed on the device, a step's gradients take 4 bytes an element more.
   config = load_config(None, ["train.global_batch_size=16", "train.micro_batch_size=4"])
-  elements = sum(x.size for x in __import__("jax").tree.leaves(resolve(config).param_shapes))
+  elements = sum(x.size for x in jax.tree.leaves(resolve(config).param_shapes))
   monkeypatch.setattr(Trainer, "compile", lambda self, tokens: CompiledStep(
       (), resident_device_bytes(self) + TEMPORARIES + (
           0 if self.setup.sums_on_host else 4 * elements), 0))

@@ -125,7 +125,11 @@ def test_losses_equal_the_baseline(overrides, baseline_losses):
                   "optimizer.optimizer_offload_fraction=0.5"], marks=SLOW, id="optimizer-offload"),
     pytest.param(["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5",
                   "optimizer.optimizer_offload_update_on=host_kernel", "train.micro_batch_size=4"],
-                 marks=SLOW, id="host-sums")])
+                 marks=SLOW, id="host-sums"),
+    pytest.param(["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5",
+                  "optimizer.optimizer_offload_update_on=host_kernel", "train.micro_batch_size=4",
+                  "optimizer.accumulate_offloaded_grads_on=device", "optimizer.delayed_update=True"],
+                 marks=SLOW, id="delayed-device-sums")])
 def test_train_step_compiles_once(overrides):
   setup = resolve(load_config(None, overrides))
   trainer = Trainer(setup)
