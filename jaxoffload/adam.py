@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -101,6 +102,7 @@ def scale_by_offloaded_adam(
     update_on: str = "host",
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     overlap_transfers: bool = False,
+    shardings: Optional[Any] = None,
 ) -> optax.GradientTransformation:
   """Scales updates by Adam with ``optax.scale_by_adam``'s arithmetic, with moments partly in host memory.
 
@@ -132,6 +134,11 @@ def scale_by_offloaded_adam(
     overlap_transfers: with ``update_on="device"``, bring each piece in while
       the previous one updates (two pieces on the device at once): what
       Megatron's ``overlap_cpu_optimizer_d2h_h2d`` asks for.
+    shardings: the parameters' ``NamedSharding``s, a tree like them; with
+      ``update_on="device"``, each device streams its own shard of a sharded leaf's
+      state, so that no piece crosses devices. Default: those of the parameters
+      ``init`` receives, where they carry one (under a jitted ``init`` they do
+      not: pass them).
 
   Returns:
     An ``optax.GradientTransformation``. Its state carries the ``OffloadPlan``;
@@ -165,6 +172,8 @@ def scale_by_offloaded_adam(
     _check_float_leaves(params)
     plan = plan_offload(params, offload_fraction=check_fraction(offload_fraction),
                         offload_mask=offload_mask)
+    if shardings is not None:
+      plan = dataclasses.replace(plan, shardings=tuple(jax.tree.leaves(shardings)))
     count = jnp.zeros([], jnp.int32)
     count_sharding = replicated_like(params)
     if count_sharding is not None:
@@ -190,15 +199,17 @@ def scale_by_offloaded_adam(
     scalars = (count_inc, *(jnp.asarray(hyper[k]) for k in dynamic))
     adam = _elementwise_adam(hyper, dynamic, stochastic_rounding)
     directions, new_mu, new_nu = [], [], []
-    for g, mu, nu, offloaded in zip(grads, treedef.flatten_up_to(state.mu),
-                                    treedef.flatten_up_to(state.nu), plan.offloaded):
+    for g, mu, nu, offloaded, sharding in zip(
+        grads, treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu),
+        plan.offloaded, plan.shardings or (None,) * len(grads)):
       if not offloaded:
         (direction,), (mu, nu) = adam(scalars, (g,), (mu, nu))
       elif update_on == "host":
         (direction,), (mu, nu) = run_on_host(adam, scalars, (g,), (mu, nu))
       else:
         (direction,), (mu, nu) = run_streamed(adam, scalars, (g,), (mu, nu),
-                                              chunk_bytes=chunk_bytes, overlap=overlap_transfers)
+                                              chunk_bytes=chunk_bytes, overlap=overlap_transfers,
+                                              sharding=sharding)
       directions.append(direction)
       new_mu.append(mu)
       new_nu.append(nu)
@@ -224,6 +235,7 @@ def offload_adamw(
     offload_mask: OffloadMask | None = None,
     update_on: str = "host",
     overlap_transfers: bool = False,
+    shardings: Optional[Any] = None,
 ) -> optax.GradientTransformation:
   """``optax.adamw`` with a chosen share of its moments in host memory.
 
@@ -231,7 +243,7 @@ def offload_adamw(
     learning_rate: a number or an optax schedule.
     b1, b2, eps, weight_decay, mask: as in ``optax.adamw``.
     mu_dtype, nu_dtype, stochastic_rounding, offload_fraction, offload_mask, update_on,
-      overlap_transfers: as in ``scale_by_offloaded_adam``. Under
+      overlap_transfers, shardings: as in ``scale_by_offloaded_adam``. Under
       ``optax.inject_hyperparams`` with a jitted ``init``, name ``offload_fraction``
       in ``static_args``.
 
@@ -247,7 +259,8 @@ def offload_adamw(
       scale_by_offloaded_adam(b1, b2, eps, mu_dtype=mu_dtype, nu_dtype=nu_dtype,
                               stochastic_rounding=stochastic_rounding,
                               offload_fraction=offload_fraction, offload_mask=offload_mask,
-                              update_on=update_on, overlap_transfers=overlap_transfers),
+                              update_on=update_on, overlap_transfers=overlap_transfers,
+                              shardings=shardings),
       optax.add_decayed_weights(weight_decay, mask),
       optax.scale_by_learning_rate(learning_rate),
   )

@@ -62,6 +62,9 @@ class OffloadPlan:
     offloaded_paths: the offloaded leaves' paths, in tree order.
     offloaded_elements: parameter elements whose state is offloaded.
     total_elements: all parameter elements.
+    shardings: per parameter leaf, its ``NamedSharding`` where the parameters
+      carried one (arrays, or ``jax.ShapeDtypeStruct``s with a sharding), else None:
+      state streamed through the devices goes a shard per device.
   """
 
   treedef: Any
@@ -69,6 +72,7 @@ class OffloadPlan:
   offloaded_paths: tuple[str, ...]
   offloaded_elements: int
   total_elements: int
+  shardings: tuple[Any, ...] = ()
 
   @property
   def mask(self) -> Any:
@@ -149,7 +153,15 @@ def plan_offload(params: Any, *, offload_fraction: float = 1.0,
       offloaded_paths=tuple(p for p, c in zip(paths, chosen) if c),
       offloaded_elements=sum(s for s, c in zip(sizes, chosen) if c),
       total_elements=total,
+      shardings=tuple(named_sharding(leaf) for _, leaf in path_leaves),
   )
+
+
+def named_sharding(leaf: Any) -> jax.sharding.NamedSharding | None:
+  """``leaf``'s sharding where it is a ``NamedSharding`` (None for traced or unplaced
+  leaves, whose sharding jit decides)."""
+  sharding = None if isinstance(leaf, jax.core.Tracer) else getattr(leaf, "sharding", None)
+  return sharding if isinstance(sharding, jax.sharding.NamedSharding) else None
 
 
 def _nearest_share(sizes: list[int], candidates: list[bool], target: float) -> list[bool]:

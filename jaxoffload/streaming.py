@@ -13,11 +13,13 @@ because the host path needs every operand in host memory.
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxoffload._compat import HOST, on_host, to_device, to_host
 
@@ -52,7 +54,8 @@ def num_chunks(num_elements: int, host_bytes_per_element: int, chunk_bytes: int)
 
 
 def run_streamed(fn: ElementwiseFn, scalars: Sequence[Any], device_inputs: Sequence[Any],
-                 host_inputs: Sequence[Any], *, chunk_bytes: int, overlap: bool = False
+                 host_inputs: Sequence[Any], *, chunk_bytes: int, overlap: bool = False,
+                 sharding: Optional[jax.sharding.NamedSharding] = None
                  ) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
   """Runs ``fn`` on the device, bringing host inputs in ``chunk_bytes`` pieces.
 
@@ -69,7 +72,17 @@ def run_streamed(fn: ElementwiseFn, scalars: Sequence[Any], device_inputs: Seque
   goes back (double buffering: one more piece of device memory). XLA:GPU may
   still run the loop's copies one at a time
   ([performance](../docs/performance.md#optimizer-offload)).
+
+  With a ``sharding`` that splits the leaf over devices, each device streams its
+  own shard (``chunk_bytes`` a device): pieces of the whole flattened leaf would
+  cross shards, and XLA would gather them.
   """
+  if _splits(sharding, device_inputs[0].shape):
+    per_shard = functools.partial(run_streamed, fn, chunk_bytes=chunk_bytes, overlap=overlap)
+    spec = sharding.spec
+    return jax.shard_map(per_shard, mesh=sharding.mesh, in_specs=(P(), spec, spec),
+                         out_specs=(spec, spec))(
+                             tuple(scalars), tuple(device_inputs), tuple(host_inputs))
   shape = device_inputs[0].shape
   size = math.prod(shape)
   host_bytes = sum(x.dtype.itemsize for x in host_inputs)
@@ -117,3 +130,14 @@ def run_streamed(fn: ElementwiseFn, scalars: Sequence[Any], device_inputs: Seque
   device_out = tuple(x.reshape(shape) for x in device_out)
   host_out = tuple(to_host(tuple(x.reshape(shape) for x in host_out)))
   return device_out, host_out
+
+
+def _splits(sharding: Optional[jax.sharding.NamedSharding], shape: tuple[int, ...]) -> bool:
+  """Whether ``sharding`` splits a leaf of ``shape`` over devices, into equal shards (what
+  ``shard_map`` needs)."""
+  if sharding is None:
+    return False
+  mesh_shape = sharding.mesh.shape
+  ways = [math.prod(mesh_shape[a] for a in ((axes,) if isinstance(axes, str) else axes or ()))
+          for axes in sharding.spec]
+  return math.prod(ways) > 1 and all(n % w == 0 for n, w in zip(shape, ways))

@@ -153,3 +153,25 @@ def test_sharded_state_follows_parameter_sharding(update_on, fraction):
       assert x.sharding.is_equivalent_to(NamedSharding(mesh, spec, memory_kind=kind), x.ndim)
       # Each device's shard lives in that device's own memory of that kind.
       assert {s.data.sharding.memory_kind for s in x.addressable_shards} == {kind}
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (the CPU backend has them in CI)")
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("jit_init", [False, True], ids=["eager-init", "jitted-init"])
+def test_a_sharded_streamed_update_moves_no_state_between_devices(overlap, jit_init):
+  # Pieces of a whole flattened leaf would cross its shards: XLA would gather them.
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("fsdp", "tensor"))
+  specs = {"embed": P("fsdp", "tensor"), "kernel": P(None, "tensor"), "out": P("tensor", "fsdp")}
+  shapes = {"embed": (64, 32), "kernel": (32, 48), "out": (48, 32)}
+  params = {k: jax.device_put(jnp.ones(shapes[k]), NamedSharding(mesh, specs[k])) for k in specs}
+  make = lambda shardings=None: jaxoffload.scale_by_offloaded_adam(
+      update_on="device", chunk_bytes=256, overlap_transfers=overlap, shardings=shardings)
+  opt = make()
+  state = opt.init(params)
+  if jit_init:  # A jitted init sees no shardings: they are given, as the trainer gives them.
+    opt = make(jax.tree.map(lambda x: x.sharding, params))
+    state = jax.jit(opt.init, out_shardings=jax.tree.map(lambda x: x.sharding, state))(params)
+  hlo = jax.jit(opt.update).lower(params, state).compile().as_text()
+  assert " while(" in hlo  # Streamed in pieces.
+  for collective in ("all-gather", "all-to-all", "collective-permute", "all-reduce"):
+    assert f" {collective}(" not in hlo, collective
