@@ -173,6 +173,8 @@ def test_every_shipped_config_trains_at_a_tiny_width(path):
      "optimizer.delayed_update=False"),
     (["optimizer.accumulate_offloaded_grads_on=cpu"],
      "optimizer.accumulate_offloaded_grads_on must be one of ['host', 'device'], got 'cpu'"),
+    (["optimizer.grad_accum_dtype=float16"],
+     "optimizer.grad_accum_dtype must be one of [None, 'float32', 'bfloat16'], got 'float16'"),
     (["optimizer.delayed_update_after=-1", "optimizer.delayed_update=True",
       "optimizer.optimizer_offload_update_on=host_kernel"],
      "optimizer.delayed_update_after must be >= 0, got -1"),

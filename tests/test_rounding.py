@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxoffload.rounding import apply_updates, stochastic_round
+from jaxoffload.train.grads import add_to_sum
 
 
 def test_each_value_lands_within_one_bfloat16_step():
@@ -61,3 +62,23 @@ def test_bfloat16_parameters_follow_updates_below_half_their_step():
   assert abs(np.mean(error)) < 1e-3 and np.max(np.abs(error)) < 0.2
   assert stochastic["w"].dtype == jnp.bfloat16
   np.testing.assert_array_equal(stochastic["b"], np.full(3, 51.0, np.float32))
+
+
+def test_a_bfloat16_sum_of_micro_batches_stays_within_a_step_an_addition_and_unbiased():
+  micro = np.random.default_rng(1).standard_normal((8, 100_000)).astype(np.float32)
+  total, exact, bound = jnp.zeros(micro.shape[1], jnp.bfloat16), np.zeros(micro.shape[1]), 0.0
+  for index, grads in enumerate(micro):
+    total = add_to_sum(total, jnp.asarray(grads), index)
+    exact += grads
+    # Each addition rounds the float32 sum to one of its two bfloat16 neighbours.
+    bound = bound + np.spacing(np.abs(exact).astype(np.float32)).astype(np.float64) * 2**16
+  error = np.asarray(total, np.float64) - exact
+  assert total.dtype == jnp.bfloat16
+  assert np.all(np.abs(error) <= bound)
+  # Unbiased: the errors' mean is within four standard errors of zero.
+  assert abs(error.mean()) < 4 * error.std() / np.sqrt(error.size)
+  # A float32 sum is the plain float32 sum.
+  float32 = jnp.zeros(micro.shape[1], jnp.float32)
+  for index, grads in enumerate(micro):
+    float32 = add_to_sum(float32, jnp.asarray(grads), index)
+  np.testing.assert_array_equal(np.asarray(float32), micro.sum(0, dtype=np.float32))

@@ -120,6 +120,32 @@ def test_losses_equal_the_baseline(overrides, baseline_losses):
 
 
 @pytest.mark.parametrize("overrides", [
+    pytest.param([], id="no-offload"),
+    pytest.param([*HOST_KERNEL, "optimizer.accumulate_offloaded_grads_on=device"], marks=SLOW,
+                 id="host-kernel-one-program"),
+    pytest.param(HOST_KERNEL, marks=SLOW, id="host-kernel-summing-on-the-host"),
+])
+def test_bfloat16_gradient_sums_halve_their_memory_and_track_float32(overrides):
+  runs = {}
+  for dtype in ("float32", "bfloat16"):
+    config = load_config(None, [f"train.train_iters={STEPS}", "train.micro_batch_size=2",
+                                f"optimizer.grad_accum_dtype={dtype}", *overrides])
+    setup = resolve(config)
+    tokens = setup.global_batch(0)
+    peak = Trainer.from_shapes(setup).compile(jax.ShapeDtypeStruct(
+        tokens.shape, tokens.dtype, sharding=tokens.sharding)).device_bytes
+    runs[dtype] = peak, train(config, log=QUIET)
+  # The device sums every leaf but those the host kernel sums in host memory.
+  on_host = setup.offload.offloaded if setup.sums_on_host else ()
+  summed = sum(x.size for i, x in enumerate(jax.tree.leaves(setup.param_shapes))
+               if not (on_host and on_host[i]))
+  # Two bytes an element fewer, less what the compiler's peak hides of them.
+  assert runs["float32"][0] - runs["bfloat16"][0] >= 1.5 * summed
+  # Four micro-batches a step: each addition is off by less than a bfloat16 step.
+  np.testing.assert_allclose(runs["bfloat16"][1], runs["float32"][1], rtol=1e-4)
+
+
+@pytest.mark.parametrize("overrides", [
     pytest.param([], marks=SLOW, id="no-offload"),
     pytest.param(["optimizer.optimizer_cpu_offload=True",
                   "optimizer.optimizer_offload_fraction=0.5"], marks=SLOW, id="optimizer-offload"),

@@ -127,6 +127,11 @@ class OptimizerConfig:
       holds neither them nor their sums) or device (one program summing every
       leaf's gradients in float32 on the device: faster where the sums fit;
       ``python -m jaxoffload.plan`` tries both).
+    grad_accum_dtype: with gradient accumulation, the dtype of the device's sums of
+      the gradients over micro-batches (DeepSpeed's name); null: float32. bfloat16
+      halves their memory and rounds each addition stochastically, so that the sum
+      stays the float32 sum on average, each addition off by less than one bfloat16
+      step of the sum ([performance](performance.md#gradient-accumulation)).
     exp_avg_dtype: dtype of Adam's first moment, float32 or bfloat16 (Megatron-Core's
       precision-aware optimizer); null: model.params_dtype. A bfloat16 moment of
       float32 parameters halves its memory, device or host, and is rounded
@@ -163,6 +168,7 @@ class OptimizerConfig:
   overlap_cpu_optimizer_d2h_h2d: bool = False
   offload_transfer_dtype: str = "float32"
   accumulate_offloaded_grads_on: str = "host"
+  grad_accum_dtype: Optional[str] = None
   exp_avg_dtype: Optional[str] = None
   exp_avg_sq_dtype: Optional[str] = None
   main_params_dtype: Optional[str] = None

@@ -25,7 +25,7 @@ from optax import tree_utils as otu
 from jaxoffload import rounding
 from jaxoffload._compat import DEVICE_KIND, PINNED_HOST, to_device, to_host
 from jaxoffload.model import next_token_loss
-from jaxoffload.train.grads import loss_and_grads, mean_loss_and_grads, micro_batch
+from jaxoffload.train.grads import add_to_sum, loss_and_grads, mean_loss_and_grads, micro_batch
 from jaxoffload.train.optimizer import device_shapes, optimizer, state_shardings
 from jaxoffload.train.resolve import Setup
 
@@ -98,7 +98,8 @@ class StepPrograms:
   def _train_step(self, device_leaves, host_leaves, opt_state, tokens):
     setup = self.setup
     params = self.model_params(device_leaves, host_leaves)
-    loss, grads = mean_loss_and_grads(setup.llama, params, tokens, setup.micro_batches)
+    loss, grads = mean_loss_and_grads(setup.llama, params, tokens, setup.micro_batches,
+                                      setup.grad_sum_dtype)
     host_grads = []
     if setup.host_kernel:
       host_grads = [to_host(g.astype(d))
@@ -111,8 +112,9 @@ class StepPrograms:
     return new_leaves, opt_state, loss, grad_norm, host_grads, self._to_host(clip_factor)
 
   def _zeros(self):
-    """The sums a step starts from: the loss's, and the device leaves' gradients' (float32)."""
-    return jnp.zeros(()), [jnp.zeros(p.shape, jnp.float32)
+    """The sums a step starts from: the loss's, and the device leaves' gradients' (in
+    ``Setup.grad_sum_dtype``)."""
+    return jnp.zeros(()), [jnp.zeros(p.shape, self.setup.grad_sum_dtype)
                            for p in self.device_only(jax.tree.leaves(self.setup.param_shapes))]
 
   def _micro_grads(self, device_leaves, host_leaves, sums, tokens, index):
@@ -128,7 +130,7 @@ class StepPrograms:
                                  micro_batch(tokens, setup.micro_batches, index), left_on_host)
     leaves = jax.tree.leaves(grads)
     loss_sum, totals = sums
-    totals = [t + g.astype(jnp.float32) for t, g in zip(totals, self.device_only(leaves))]
+    totals = [add_to_sum(t, g, index) for t, g in zip(totals, self.device_only(leaves))]
     return (loss_sum + loss, totals), [
         to_host(g.astype(d)) for g, d in zip(self.host_leaves(leaves), setup.transfer_dtypes)]
 
@@ -138,7 +140,7 @@ class StepPrograms:
     setup = self.setup
     count = setup.micro_batches
     loss_sum, totals = sums
-    device = iter([t / count for t in totals])
+    device = iter([t.astype(jnp.float32) / count for t in totals])
     # The host kernel's leaves stand in as one number whose square is their share of the
     # squared norm, and zeros: the clipping reads them, the masked AdamW never does.
     stand_ins = iter([jnp.sqrt(host_squares) / count] + [jnp.zeros(())] * len(self.is_host))

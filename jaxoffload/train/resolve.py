@@ -85,6 +85,12 @@ class Setup:
             and self.config.optimizer.accumulate_offloaded_grads_on == "host")
 
   @property
+  def grad_sum_dtype(self) -> jnp.dtype:
+    """The dtype of the device's sums of gradients over micro-batches
+    (``optimizer.grad_accum_dtype``)."""
+    return jnp.dtype(self.config.optimizer.grad_accum_dtype or "float32")
+
+  @property
   def state_in_host_memory(self) -> bool:
     """Whether parameters or optimizer state live in host memory, where a step updates or
     donates them in place: a checkpoint reads them there, and must finish first."""

@@ -107,6 +107,7 @@ def _check_choices(config: Config) -> None:
   _one_of("optimizer.offload_transfer_dtype", o.offload_transfer_dtype, DTYPES)
   _one_of("optimizer.accumulate_offloaded_grads_on", o.accumulate_offloaded_grads_on,
           GRAD_SUMS_PLACES)
+  _one_of("optimizer.grad_accum_dtype", o.grad_accum_dtype, (None,) + DTYPES)
   _one_of("optimizer.exp_avg_dtype", o.exp_avg_dtype, (None,) + DTYPES)
   _one_of("optimizer.exp_avg_sq_dtype", o.exp_avg_sq_dtype, (None,) + DTYPES)
   _one_of("optimizer.main_params_dtype", o.main_params_dtype, (None,) + DTYPES)
