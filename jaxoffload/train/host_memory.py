@@ -24,10 +24,10 @@ from jaxoffload.train.config import ConfigError
 from jaxoffload.train.resolve import Setup
 
 # XLA's pinned host allocator holds more than the arrays in it, and JAX's
-# runtime, the compiler and the data need some memory of their own
-# (docs/performance.md#host-memory).
+# runtime (with the CUDA libraries it loads), the compiler and the data need some
+# memory of their own (docs/performance.md#host-memory).
 PINNED_POOL_SLACK = 1 / 8
-RUNTIME_BYTES = 2 * 2**30
+RUNTIME_BYTES = 4 * 2**30
 # How many times its checkpoint's bytes a save of the host kernel's state adds
 # to the host's memory; other state adds them once (docs/performance.md#host-memory).
 HOST_KERNEL_SAVE_COPIES = 2.5
