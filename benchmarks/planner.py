@@ -61,7 +61,8 @@ def main() -> None:
                       help="bytes the plan may use of each device (default: what JAX reports), "
                            "to plan for a smaller device")
   parser.add_argument("--offload-only", action="store_true",
-                      help="keep the config's activation setting and micro-batch size")
+                      help="keep the config's activation setting, micro-batch size and place "
+                           "of the host kernel's gradient sums")
   parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
   parser.add_argument("overrides", nargs="*", metavar="section.key=value")
   args = parser.parse_args()

@@ -173,7 +173,12 @@ def scale_by_offloaded_adam(
     plan = plan_offload(params, offload_fraction=check_fraction(offload_fraction),
                         offload_mask=offload_mask)
     if shardings is not None:
-      plan = dataclasses.replace(plan, shardings=tuple(jax.tree.leaves(shardings)))
+      try:
+        given = plan.treedef.flatten_up_to(shardings)
+      except (ValueError, TypeError) as error:
+        raise ValueError(f"shardings must have the parameters' tree structure "
+                         f"{plan.treedef}: {error}") from None
+      plan = dataclasses.replace(plan, shardings=tuple(given))
     count = jnp.zeros([], jnp.int32)
     count_sharding = replicated_like(params)
     if count_sharding is not None:

@@ -64,7 +64,9 @@ class OffloadPlan:
     total_elements: all parameter elements.
     shardings: per parameter leaf, its ``NamedSharding`` where the parameters
       carried one (arrays, or ``jax.ShapeDtypeStruct``s with a sharding), else None:
-      state streamed through the devices goes a shard per device.
+      state streamed through the devices goes a shard per device. Not part of the
+      plan's identity: a state made by a traced ``init`` (which sees no shardings)
+      has the same structure as one made eagerly.
   """
 
   treedef: Any
@@ -72,7 +74,7 @@ class OffloadPlan:
   offloaded_paths: tuple[str, ...]
   offloaded_elements: int
   total_elements: int
-  shardings: tuple[Any, ...] = ()
+  shardings: tuple[Any, ...] = dataclasses.field(default=(), compare=False)
 
   @property
   def mask(self) -> Any:

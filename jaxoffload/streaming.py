@@ -134,7 +134,7 @@ def run_streamed(fn: ElementwiseFn, scalars: Sequence[Any], device_inputs: Seque
 
 def _splits(sharding: Optional[jax.sharding.NamedSharding], shape: tuple[int, ...]) -> bool:
   """Whether ``sharding`` splits a leaf of ``shape`` over devices, into equal shards (what
-  ``shard_map`` needs)."""
+  ``shard_map`` needs; a leaf split unevenly streams whole, and XLA gathers its pieces)."""
   if sharding is None:
     return False
   mesh_shape = sharding.mesh.shape

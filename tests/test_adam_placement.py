@@ -124,6 +124,12 @@ def test_mask_with_fraction_is_refused():
     jaxoffload.offload_adamw(1e-3, offload_fraction=0.5, offload_mask=lambda p, x: True)
 
 
+def test_shardings_of_another_structure_are_refused():
+  opt = jaxoffload.scale_by_offloaded_adam(update_on="device", shardings={"b": None})
+  with pytest.raises(ValueError, match="shardings must have the parameters' tree structure"):
+    opt.init({"a": jnp.zeros(2)})
+
+
 def test_mask_of_wrong_structure_is_refused():
   with pytest.raises(ValueError, match="offload_mask must have the parameters' tree structure"):
     jaxoffload.plan_offload({"a": jnp.zeros(2)}, offload_mask={"b": True})
@@ -171,7 +177,18 @@ def test_a_sharded_streamed_update_moves_no_state_between_devices(overlap, jit_i
   if jit_init:  # A jitted init sees no shardings: they are given, as the trainer gives them.
     opt = make(jax.tree.map(lambda x: x.sharding, params))
     state = jax.jit(opt.init, out_shardings=jax.tree.map(lambda x: x.sharding, state))(params)
-  hlo = jax.jit(opt.update).lower(params, state).compile().as_text()
+  grads = jax.tree.map(lambda p: p * jnp.linspace(-1, 1, p.size).reshape(p.shape), params)
+  update = jax.jit(opt.update, donate_argnums=(1,),
+                   out_shardings=jax.tree.map(lambda x: x.sharding, (params, state)))
+  hlo = update.lower(grads, state).compile().as_text()
   assert " while(" in hlo  # Streamed in pieces.
   for collective in ("all-gather", "all-to-all", "collective-permute", "all-reduce"):
     assert f" {collective}(" not in hlo, collective
+  adam = optax.scale_by_adam()
+  reference = adam.init(params)
+  for _ in range(2):  # The second step reuses the first's program.
+    got, state = update(grads, state)
+    want, reference = adam.update(grads, reference)
+  assert max_rel_diff(got, want) <= 1e-6
+  assert update._cache_size() == 1
+  assert_moments_placed(state)

@@ -70,8 +70,10 @@ def test_a_bfloat16_sum_of_micro_batches_stays_within_a_step_an_addition_and_unb
   for index, grads in enumerate(micro):
     total = add_to_sum(total, jnp.asarray(grads), index)
     exact += grads
-    # Each addition rounds the float32 sum to one of its two bfloat16 neighbours.
-    bound = bound + np.spacing(np.abs(exact).astype(np.float32)).astype(np.float64) * 2**16
+    # Each addition rounds the float32 sum to one of its two bfloat16 neighbours: less
+    # than one step apart at the larger of the exact sum and the rounded one.
+    larger = np.maximum(np.abs(exact), np.abs(np.asarray(total, np.float64))).astype(np.float32)
+    bound = bound + np.spacing(larger).astype(np.float64) * 2**16
   error = np.asarray(total, np.float64) - exact
   assert total.dtype == jnp.bfloat16
   assert np.all(np.abs(error) <= bound)

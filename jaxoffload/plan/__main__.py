@@ -19,7 +19,8 @@ def main(argv: Optional[list[str]] = None) -> None:
   parser.add_argument("--device-memory", type=int, default=None,
                       help="bytes each device gives the step; default: what JAX reports")
   parser.add_argument("--offload-only", action="store_true",
-                      help="keep the config's activation setting and micro-batch size")
+                      help="keep the config's activation setting, micro-batch size and place of "
+                           "the host kernel's gradient sums")
   parser.add_argument("overrides", nargs="*", metavar="section.key=value")
   args = parser.parse_args(argv)
   try:

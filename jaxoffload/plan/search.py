@@ -117,7 +117,8 @@ def plan(config: Config, budgets: Budgets, *, explore: bool = True, log: Log = p
       ``explore`` its activation setting and micro-batch size too.
     budgets: what the step may use.
     explore: also try the other activation settings and micro-batch sizes, their
-      compute timed by a short calibration on this device; else keep the config's.
+      compute timed by a short calibration on this device, and both places for the
+      host kernel's gradient sums; else keep the config's.
     machine: this machine's link and host-kernel rates; default: measured now.
     calibration: the device compute's times; default: measured now when exploring.
 

@@ -125,8 +125,8 @@ class OptimizerConfig:
       program per micro-batch; the model fetches their stacked weights a layer at a
       time and their gradients leave the device as they are made, so the device
       holds neither them nor their sums) or device (one program summing every
-      leaf's gradients in float32 on the device: faster where the sums fit;
-      ``python -m jaxoffload.plan`` tries both).
+      leaf's gradients on the device, in grad_accum_dtype: faster where the sums
+      fit; ``python -m jaxoffload.plan`` tries both).
     grad_accum_dtype: with gradient accumulation, the dtype of the device's sums of
       the gradients over micro-batches (DeepSpeed's name); null: float32. bfloat16
       halves their memory and rounds each addition stochastically, so that the sum

@@ -99,7 +99,7 @@ class StepPrograms:
     setup = self.setup
     params = self.model_params(device_leaves, host_leaves)
     loss, grads = mean_loss_and_grads(setup.llama, params, tokens, setup.micro_batches,
-                                      setup.grad_sum_dtype)
+                                      setup.grad_accum_dtype)
     host_grads = []
     if setup.host_kernel:
       host_grads = [to_host(g.astype(d))
@@ -113,8 +113,8 @@ class StepPrograms:
 
   def _zeros(self):
     """The sums a step starts from: the loss's, and the device leaves' gradients' (in
-    ``Setup.grad_sum_dtype``)."""
-    return jnp.zeros(()), [jnp.zeros(p.shape, self.setup.grad_sum_dtype)
+    ``Setup.grad_accum_dtype``)."""
+    return jnp.zeros(()), [jnp.zeros(p.shape, self.setup.grad_accum_dtype)
                            for p in self.device_only(jax.tree.leaves(self.setup.param_shapes))]
 
   def _micro_grads(self, device_leaves, host_leaves, sums, tokens, index):

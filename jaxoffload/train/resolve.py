@@ -85,7 +85,7 @@ class Setup:
             and self.config.optimizer.accumulate_offloaded_grads_on == "host")
 
   @property
-  def grad_sum_dtype(self) -> jnp.dtype:
+  def grad_accum_dtype(self) -> jnp.dtype:
     """The dtype of the device's sums of gradients over micro-batches
     (``optimizer.grad_accum_dtype``)."""
     return jnp.dtype(self.config.optimizer.grad_accum_dtype or "float32")
