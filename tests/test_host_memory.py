@@ -78,7 +78,7 @@ def test_the_host_kernel_arithmetic_is_what_it_allocates(micro_batches):
     host_grads = trainer.programs.step(trainer.params, trainer.host_params, trainer.opt_state, tokens)[4]
   else:
     host_grads = trainer.programs.micro_step(trainer.params, trainer.host_params, trainer.programs.zero_sums(),
-                                     tokens, 0)[1]
+                                     tokens, 0, 0)[1]
   need = needed(setup)
   # The moments, and the sums of the micro-batches' gradients: half the moments' bytes.
   assert need.held["host kernel moments and sums"] == trainer.host.unpinned_bytes

@@ -37,28 +37,30 @@ def loss_and_grads(model: Llama, params: Any, tokens: jax.Array, left_on_host: A
 
 def add_to_sum(total: jax.Array, value: jax.Array, salt: Any) -> jax.Array:
   """``total + value`` in float32, kept in ``total``'s dtype: a bfloat16 sum is rounded
-  stochastically (salted by ``salt``, a micro-batch's index), so that it stays the
-  float32 sum on average; each addition's error is below one bfloat16 step of the sum.
+  stochastically (salted by ``salt``, different for each micro-batch of each step), so
+  that it stays the float32 sum on average; each addition's error is below one bfloat16
+  step of the sum.
 
   Example:
-    >>> total = add_to_sum(total, grad, index)
+    >>> total = add_to_sum(total, grad, step * micro_batches + index)
   """
   return rounding.stochastic_round(total.astype(jnp.float32) + value.astype(jnp.float32), salt,
                                    total.dtype)
 
 
 def mean_loss_and_grads(model: Llama, params: Any, tokens: jax.Array, micro_batches: int,
-                        sum_dtype: Any = jnp.float32) -> tuple[jax.Array, Any]:
+                        sum_dtype: Any = jnp.float32, step: Any = 0) -> tuple[jax.Array, Any]:
   """The mean loss and gradients over ``micro_batches`` micro-batches, in one program: a scan
-  sums the gradients in ``sum_dtype`` (``add_to_sum``), whatever the leaves' dtype, and
-  returns their mean in float32."""
+  sums the gradients in ``sum_dtype`` (``add_to_sum``, salted by ``step`` and the
+  micro-batch), whatever the leaves' dtype, and returns their mean in float32."""
   if micro_batches == 1:
     return loss_and_grads(model, params, tokens)
 
   def accumulate(total, index):
     loss_sum, sums = total
     loss, grads = loss_and_grads(model, params, micro_batch(tokens, micro_batches, index))
-    return (loss_sum + loss, jax.tree.map(lambda t, g: add_to_sum(t, g, index), sums, grads)), None
+    salt = step * micro_batches + index
+    return (loss_sum + loss, jax.tree.map(lambda t, g: add_to_sum(t, g, salt), sums, grads)), None
 
   zeros = (jnp.zeros(()), jax.tree.map(lambda p: jnp.zeros(p.shape, sum_dtype), params))
   (loss, grads), _ = jax.lax.scan(accumulate, zeros, jnp.arange(micro_batches))

@@ -99,7 +99,7 @@ class StepPrograms:
     setup = self.setup
     params = self.model_params(device_leaves, host_leaves)
     loss, grads = mean_loss_and_grads(setup.llama, params, tokens, setup.micro_batches,
-                                      setup.grad_accum_dtype)
+                                      setup.grad_accum_dtype, step=_count(opt_state))
     host_grads = []
     if setup.host_kernel:
       host_grads = [to_host(g.astype(d))
@@ -117,9 +117,10 @@ class StepPrograms:
     return jnp.zeros(()), [jnp.zeros(p.shape, self.setup.grad_accum_dtype)
                            for p in self.device_only(jax.tree.leaves(self.setup.param_shapes))]
 
-  def _micro_grads(self, device_leaves, host_leaves, sums, tokens, index):
-    """Micro-batch ``index``'s loss and device gradients added into ``sums``, and the host
-    kernel's leaves' gradients sent to host memory, in the dtypes they travel in."""
+  def _micro_grads(self, device_leaves, host_leaves, sums, tokens, index, step):
+    """Micro-batch ``index``'s loss and device gradients added into ``sums`` (at update
+    ``step``, which salts their rounding), and the host kernel's leaves' gradients sent to
+    host memory, in the dtypes they travel in."""
     setup = self.setup
     params = self.model_params(device_leaves, host_leaves)
     # The host kernel's leaves that the model fetches send their gradients to host memory
@@ -130,7 +131,8 @@ class StepPrograms:
                                  micro_batch(tokens, setup.micro_batches, index), left_on_host)
     leaves = jax.tree.leaves(grads)
     loss_sum, totals = sums
-    totals = [add_to_sum(t, g, index) for t, g in zip(totals, self.device_only(leaves))]
+    salt = step * setup.micro_batches + index
+    totals = [add_to_sum(t, g, salt) for t, g in zip(totals, self.device_only(leaves))]
     return (loss_sum + loss, totals), [
         to_host(g.astype(d)) for g, d in zip(self.host_leaves(leaves), setup.transfer_dtypes)]
 
@@ -172,8 +174,12 @@ class StepPrograms:
     device_params = jax.tree.map(to_device, params)
     updates, opt_state = self.optimizer.update(grads, opt_state, device_params)
     # bfloat16 parameters move by their updates in expectation (optimizer.main_params_dtype).
-    count = otu.tree_get_all_with_path(opt_state, "count")[0][1]
-    new_params = rounding.apply_updates(device_params, updates, count)
+    new_params = rounding.apply_updates(device_params, updates, _count(opt_state))
     new_params = jax.tree.map(lambda p, fetched: to_host(p) if fetched else p, new_params,
                               setup.fetched_by_model)
     return self.device_only(jax.tree.leaves(new_params)), opt_state, grad_norm, clip_factor
+
+
+def _count(opt_state: Any) -> jax.Array:
+  """The updates applied so far, as the optimizer's state counts them."""
+  return otu.tree_get_all_with_path(opt_state, "count")[0][1]

@@ -121,7 +121,8 @@ class Trainer:
                           analysis.host_temp_size_in_bytes)
     sums = jax.eval_shape(self.programs.zero_sums)
     self._compiled = (
-        self.programs.micro_step.lower(self.params, self.host_params, sums, tokens, 0).compile(),
+        self.programs.micro_step.lower(self.params, self.host_params, sums, tokens, 0,
+                                       0).compile(),
         self.programs.update_step.lower(self.params, self.opt_state, sums, 0.0).compile())
     micro, update = (program.memory_analysis() for program in self._compiled)
     # The optimizer state stays in device memory while the micro-batches run.
@@ -148,7 +149,8 @@ class Trainer:
     micro_step, update_step = self._compiled or (programs.micro_step, programs.update_step)
     sums, pending = self.programs.zero_sums(), None
     for index in range(self.setup.micro_batches):
-      sums, host_grads = micro_step(self.params, self.host_params, sums, tokens, index)
+      sums, host_grads = micro_step(self.params, self.host_params, sums, tokens, index,
+                                    self.host.count)
       if pending is not None:  # The previous micro-batch's, while the device computes this one.
         self.host.accumulate(pending)
       pending = host_grads
