@@ -162,8 +162,9 @@ def test_sharded_state_follows_parameter_sharding(update_on, fraction):
 
 
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (the CPU backend has them in CI)")
-@pytest.mark.parametrize("overlap", [False, True])
-@pytest.mark.parametrize("jit_init", [False, True], ids=["eager-init", "jitted-init"])
+@pytest.mark.parametrize("overlap", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("jit_init", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["eager-init", "jitted-init"])
 def test_a_sharded_streamed_update_moves_no_state_between_devices(overlap, jit_init):
   # Pieces of a whole flattened leaf would cross its shards: XLA would gather them.
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("fsdp", "tensor"))

@@ -120,7 +120,7 @@ def test_losses_equal_the_baseline(overrides, baseline_losses):
 
 
 @pytest.mark.parametrize("overrides", [
-    pytest.param([], id="no-offload"),
+    pytest.param([], marks=SLOW, id="no-offload"),
     pytest.param([*HOST_KERNEL, "optimizer.accumulate_offloaded_grads_on=device"], marks=SLOW,
                  id="host-kernel-one-program"),
     pytest.param(HOST_KERNEL, marks=SLOW, id="host-kernel-summing-on-the-host"),
