@@ -7,8 +7,9 @@ import sys
 import pytest
 
 from jaxoffload.bench import settings
+from jaxoffload.bench.__main__ import _matrix, _parser
 from jaxoffload.bench.__main__ import main as bench_main
-from jaxoffload.train import load_config
+from jaxoffload.train import ConfigError, load_config
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -86,3 +87,17 @@ def test_unknown_setting_names_the_known_ones(tmp_path, capsys):
   assert exit_.value.code == 2
   assert capsys.readouterr().err.startswith(
       "error: unknown settings ['optimiser 0.5']; known: ['baseline',")
+
+
+def test_settings_of_your_own_run_after_the_baseline_and_are_checked():
+  own = "bf16 sums=train.micro_batch_size=4 optimizer.grad_accum_dtype=bfloat16"
+  args = _parser().parse_args(["--settings", "optimizer 0.5 device", "--setting", own])
+  assert _matrix(args, []) == {
+      "baseline": [], "optimizer 0.5 device": settings.default_settings(4, False)[
+          "optimizer 0.5 device"],
+      "bf16 sums": ["train.micro_batch_size=4", "optimizer.grad_accum_dtype=bfloat16"]}
+  with pytest.raises(ConfigError, match="optimizer.grad_accum_dtype must be one of"):
+    _matrix(_parser().parse_args(["--setting", "x=optimizer.grad_accum_dtype=int8"]), [])
+  for bad in ("no equals sign", "baseline=train.seed=1", "=train.seed=1"):
+    with pytest.raises(ConfigError, match=r"^--setting .*: write NAME=OVERRIDES"):
+      _matrix(_parser().parse_args(["--setting", bad]), [])

@@ -14,6 +14,8 @@ memory ratios against the baseline, and the largest loss difference from the
 baseline. Writes OUT.json, OUT.md and, with matplotlib, OUT_memory.png and
 OUT_frontier.png; ``--replot OUT.json`` redraws the plots elsewhere, and
 ``--resume`` runs only the settings OUT.json lacks (after a run cut short).
+``--setting 'NAME=key=value ...'`` adds a setting of your own (the baseline is
+the config with the overrides common to all).
 """
 
 from __future__ import annotations
@@ -97,6 +99,10 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--steps", type=int, default=10, help="steps per setting")
   parser.add_argument("--settings", help="comma-separated names from the default matrix "
                                          "(the baseline is always run first)")
+  parser.add_argument("--setting", action="append", default=[], metavar="NAME=OVERRIDES",
+                      help="a setting of your own, repeatable: its name, '=', and its "
+                           "overrides, space-separated (then only the baseline, these and "
+                           "--settings run)")
   parser.add_argument("--out", default="bench/results", help="output path prefix")
   parser.add_argument("--xla-flags", default="",
                       help="XLA_FLAGS for every setting (write --xla-flags=...); on a GPU, "
@@ -115,12 +121,18 @@ def _matrix(args: argparse.Namespace, common: list[str]) -> dict[str, list[str]]
   """The settings to run, each checked as a config before any runs."""
   model = load_config(args.config, common).model
   matrix = settings.default_settings(model.num_layers, model.dtype == "bfloat16")
-  if args.settings:
-    chosen = [name.strip() for name in args.settings.split(",")]
+  if args.settings or args.setting:
+    chosen = [name.strip() for name in (args.settings or "").split(",") if name.strip()]
     unknown = [name for name in chosen if name not in matrix]
     if unknown:
       raise ConfigError(f"unknown settings {unknown}; known: {list(matrix)}")
     matrix = {name: matrix[name] for name in ["baseline", *chosen]}
+  for setting in args.setting:
+    name, equals, overrides = setting.partition("=")
+    if not equals or not name.strip() or name.strip() in matrix:
+      raise ConfigError(f"--setting {setting!r}: write NAME=OVERRIDES, a name not already "
+                        f"taken ({list(matrix)}) and space-separated section.key=value")
+    matrix[name.strip()] = shlex.split(overrides)
   for overrides in matrix.values():
     load_config(args.config, common + overrides)
   return matrix
