@@ -5,17 +5,11 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import time
 from typing import Any, Callable, Sequence
-
-
-def peak_rss() -> int:
-  """This process's peak resident memory so far, in bytes."""
-  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def run_children(script: str, settings: Sequence[Sequence[str]], common_args: Sequence[str]

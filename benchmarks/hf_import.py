@@ -21,7 +21,7 @@ import shutil
 import sys
 import time
 
-from common import metadata, peak_rss, run_children, write_report
+from common import metadata, run_children, write_report
 
 SHAPES = {
     "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
@@ -78,14 +78,14 @@ def stage(name: str) -> None:
   ended) and in the result."""
   import jax
 
-  from jaxoffload.memory import bytes_by_memory_kind, host_rss_bytes
+  from jaxoffload.memory import bytes_by_memory_kind, host_rss_bytes, peak_host_rss_bytes
 
   pinned = bytes_by_memory_kind(jax.live_arrays()).get("pinned_host", 0)
   with open("/proc/self/status") as f:  # Anonymous, file-backed (mapped checkpoints), shared.
     kinds = [" ".join(line.split()[:2]) for line in f if line.startswith(("RssAnon", "RssFile",
                                                                           "RssShmem"))]
   STAGES.append(f"{name}: host RSS {host_rss_bytes() / 2**30:.1f} GiB ({', '.join(kinds)} kB), "
-                f"peak {peak_rss() / 2**30:.1f} GiB, live pinned_host arrays "
+                f"peak {peak_host_rss_bytes() / 2**30:.1f} GiB, live pinned_host arrays "
                 f"{pinned / 2**30:.1f} GiB")
   print(STAGES[-1], file=sys.stderr, flush=True)
 
@@ -95,7 +95,7 @@ def fine_tune(directory: str, config_path: str, overrides: list[str], export_dir
 
   import jaxoffload
   from jaxoffload import hf
-  from jaxoffload.memory import host_rss_bytes
+  from jaxoffload.memory import host_rss_bytes, peak_host_rss_bytes
   from jaxoffload.train import host_memory, load_config, resolve, Trainer, weights
 
   config = load_config(config_path, [f"model.hf_checkpoint={directory}", *overrides])
@@ -104,7 +104,7 @@ def fine_tune(directory: str, config_path: str, overrides: list[str], export_dir
   stage(f"resolved; the guard predicts a peak of {predicted_rss / 2**30:.1f} GiB before export")
   start = time.perf_counter()
   params = jax.block_until_ready(weights.initial(setup))
-  import_s, import_rss = time.perf_counter() - start, peak_rss()
+  import_s, import_rss = time.perf_counter() - start, peak_host_rss_bytes()
   stage(f"imported in {import_s:.1f} s")
   trainer = Trainer(setup, params)
   del params
@@ -118,14 +118,14 @@ def fine_tune(directory: str, config_path: str, overrides: list[str], export_dir
     losses.append(float(trainer.step(setup.global_batch(i))[0].addressable_data(0)))
     step_s.append(time.perf_counter() - start)
     stage(f"step {i + 1}: loss {losses[-1]:.4f} in {step_s[-1]:.2f} s")
-  trained_rss = peak_rss()
+  trained_rss = peak_host_rss_bytes()
   start = time.perf_counter()
   hf.save_checkpoint(export_dir, setup.model, trainer.checkpoint()["params"])
   export_s = time.perf_counter() - start
   stage(f"exported in {export_s:.1f} s")
   return {"import_s": import_s, "peak_rss_after_import": import_rss, "compile_s": compile_s,
           "losses": losses, "step_s": step_s, "export_s": export_s,
-          "peak_rss": peak_rss(), "predicted_peak_rss": predicted_rss,
+          "peak_rss": peak_host_rss_bytes(), "predicted_peak_rss": predicted_rss,
           "peak_rss_before_export": trained_rss, "stages": STAGES,
           "offloaded_state_bytes": jaxoffload.bytes_by_memory_kind(
               (trainer.params, trainer.opt_state)).get("pinned_host", 0)}

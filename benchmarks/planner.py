@@ -17,7 +17,7 @@ import json
 import statistics
 import sys
 
-from common import metadata, peak_rss, run_children, write_report
+from common import metadata, run_children, write_report
 
 
 def plan_child(config_path: str, overrides: list[str], device_memory: int | None,
@@ -39,7 +39,7 @@ def plan_child(config_path: str, overrides: list[str], device_memory: int | None
 def train_child(config_path: str, overrides: list[str], device_memory: int | None,
                 explore: bool) -> dict:
   del device_memory, explore  # The pick trains on the whole device: its peak is what it needs.
-  from jaxoffload.memory import peak_device_bytes
+  from jaxoffload.memory import peak_device_bytes, peak_host_rss_bytes
   from jaxoffload.train import launch, load_config, run
 
   config = load_config(config_path, overrides + ["logging.progress_bar=False"])
@@ -47,7 +47,7 @@ def train_child(config_path: str, overrides: list[str], device_memory: int | Non
   result = run(config, log=lambda line: print(line, file=sys.stderr))
   times = [r.step_s for r in result.records]
   return {"step_s": times, "median_step_s": statistics.median(times[1:] or times),
-          "peak_device_bytes": peak_device_bytes(), "peak_rss_bytes": peak_rss(),
+          "peak_device_bytes": peak_device_bytes(), "peak_rss_bytes": peak_host_rss_bytes(),
           "losses": result.losses}
 
 

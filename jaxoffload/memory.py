@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import os
 import re
+import resource
 from typing import Any, Sequence, Union
 
 import jax
@@ -85,6 +86,11 @@ def host_rss_bytes() -> int | None:
       return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
   except (OSError, ValueError, IndexError):
     return None
+
+
+def peak_host_rss_bytes() -> int:
+  """This process's peak resident host memory so far, in bytes (Linux's ``ru_maxrss``)."""
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def activation_bytes(config: LlamaConfig, batch: int, seq_len: int) -> dict[str, int]:

@@ -8,7 +8,7 @@ from typing import Optional
 
 import jax
 
-from jaxoffload.memory import offloaded_activation_bytes
+from jaxoffload.memory import offloaded_activation_bytes, peak_host_rss_bytes
 from jaxoffload.train import load_config, run
 
 FRACTIONS = (0.25, 0.5, 1.0)
@@ -70,6 +70,7 @@ def measure(config_path: Optional[str], overrides: list[str]) -> dict:
           result.setup.model, result.setup.groups, config.train.micro_batch_size,
           config.model.seq_length),
       "pinned_host_bytes": last.pinned_host_bytes,
+      "peak_host_rss_bytes": peak_host_rss_bytes(),
       "device": jax.devices()[0].device_kind, "device_count": jax.device_count(),
       "jax": jax.__version__,
   }
