@@ -131,3 +131,52 @@ def test_a_run_pinning_more_than_xlas_pinned_pool_gives_is_refused(monkeypatch):
                                         r"per GPU, more than XLA's pinned pool gives \(0 MB, "
                                         r"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB\); set that variable"):
     host_memory.check(setup)
+
+
+GiB, MiB = 2**30, 2**20
+
+
+def test_a_gpu_pinned_pool_grows_by_doubling_regions_up_to_its_limit():
+  from jaxoffload.train.host_memory import pinned_pool_bytes
+  # Regions of 2, 4, ... MiB: k of them hold 2 MiB * (2**k - 1). The pool adds them until
+  # it holds the arrays and an eighth more, the last one cut at the limit.
+  regions = lambda wanted: next(2 * MiB * (2**k - 1) for k in range(1, 64)
+                                if 2 * MiB * (2**k - 1) >= wanted)
+  assert pinned_pool_bytes(17 * GiB, 64 * GiB) == regions(17 * GiB * 9 / 8) == 32 * GiB - 2 * MiB
+  assert pinned_pool_bytes(44 * GiB, 64 * GiB) == regions(44 * GiB * 9 / 8) == 64 * GiB - 2 * MiB
+  assert pinned_pool_bytes(44 * GiB, 50 * GiB) == 50 * GiB  # The last region is cut.
+  assert pinned_pool_bytes(100 * MiB, 64 * GiB) == regions(100 * MiB * 9 / 8) == 126 * MiB
+  # Each device's pool holds its share.
+  assert pinned_pool_bytes(34 * GiB, 64 * GiB, devices=2) == 2 * (32 * GiB - 2 * MiB)
+  # Without a GPU's pool: the arrays and an eighth.
+  assert pinned_pool_bytes(8 * GiB, None) == 9 * GiB
+  assert pinned_pool_bytes(0, 64 * GiB) == 0
+
+
+def test_the_guard_counts_a_gpus_whole_pinned_pool(monkeypatch):
+  from jaxoffload.train import host_memory
+  setup = resolve(load_config(None, OFFLOAD))
+  arrays = needed(setup).pinned
+  monkeypatch.setattr(host_memory, "pinned_pool_limit", lambda: 64 * GiB)
+  need = needed(setup)
+  assert need.pinned == arrays == need.held["optimizer state"] > 0
+  assert arrays + need.held["pinned allocator overhead"] == host_memory.pinned_pool_bytes(
+      arrays, 64 * GiB, jax.local_device_count())
+
+
+def test_the_pool_limit_that_holds_the_pinned_arrays_is_advised_where_it_saves(monkeypatch):
+  from jaxoffload.train import host_memory
+  monkeypatch.setattr(host_memory, "pinned_pool_limit", lambda: 64 * GiB)
+  n = jax.local_device_count()  # Each device's pool holds its share.
+  advice = lambda pinned: host_memory.pool_limit_advice(host_memory.HostBytes({}, {}, n * pinned))
+  # 49.5 GiB of arrays with an eighth for fragmentation: a 50 GiB pool, not 64 GiB.
+  assert advice(44 * GiB) == (
+      f"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=50 before starting (XLA's pinned pool then holds "
+      f"{host_memory.size(n * 50 * GiB)}, not {host_memory.size(n * (64 * GiB - 2 * MiB))})")
+  # A pool of 32 GiB for 17 GiB: 20 GiB holds it with a little to spare.
+  assert advice(17 * GiB).startswith("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=20 ")
+  # 33.75 GiB wanted: the regions reach 64 GiB, where 34 would do.
+  assert advice(30 * GiB).startswith("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=34 ")
+  assert advice(28 * GiB - 2 * MiB) == ""  # 31.5 GiB: the 32 GiB of regions hold it.
+  monkeypatch.setattr(host_memory, "pinned_pool_limit", lambda: None)
+  assert advice(44 * GiB) == ""

@@ -132,17 +132,22 @@ def test_bfloat16_gradient_sums_halve_their_memory_and_track_float32(overrides):
                                 f"optimizer.grad_accum_dtype={dtype}", *overrides])
     setup = resolve(config)
     tokens = setup.global_batch(0)
-    peak = Trainer.from_shapes(setup).compile(jax.ShapeDtypeStruct(
-        tokens.shape, tokens.dtype, sharding=tokens.sharding)).device_bytes
-    runs[dtype] = peak, train(config, log=QUIET)
+    compiled = Trainer.from_shapes(setup).compile(jax.ShapeDtypeStruct(
+        tokens.shape, tokens.dtype, sharding=tokens.sharding))
+    hlo = "".join(program.as_text() for program in compiled.programs)
+    runs[dtype] = compiled.device_bytes, hlo, train(config, log=QUIET)
   # The device sums every leaf but those the host kernel sums in host memory.
   on_host = setup.offload.offloaded if setup.sums_on_host else ()
-  summed = sum(x.size for i, x in enumerate(jax.tree.leaves(setup.param_shapes))
-               if not (on_host and on_host[i]))
-  # Two bytes an element fewer, less what the compiler's peak hides of them.
-  assert runs["float32"][0] - runs["bfloat16"][0] >= 1.5 * summed
+  summed = [x for i, x in enumerate(jax.tree.leaves(setup.param_shapes))
+            if not (on_host and on_host[i])]
+  for x in summed:  # Carried from one micro-batch to the next in bfloat16.
+    assert f"bf16[{','.join(map(str, x.shape))}]" in runs["bfloat16"][1], x.shape
+  if jax.default_backend() == "cpu":
+    # Two bytes an element fewer, less what the compiler's peak hides of them. (A GPU's
+    # peak for so small a model falls where no sum is live: in its libraries' workspaces.)
+    assert runs["float32"][0] - runs["bfloat16"][0] >= 1.5 * sum(x.size for x in summed)
   # Four micro-batches a step: each addition is off by less than a bfloat16 step.
-  np.testing.assert_allclose(runs["bfloat16"][1], runs["float32"][1], rtol=1e-4)
+  np.testing.assert_allclose(runs["bfloat16"][2], runs["float32"][2], rtol=1e-4)
 
 
 @pytest.mark.parametrize("overrides", [
@@ -167,6 +172,7 @@ def test_train_step_compiles_once(overrides):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 devices (the CPU backend has 8 in CI)")
 @pytest.mark.parametrize("offload", [[], ["model.cpu_offloading=True",
                                          "model.cpu_offloading_num_layers=2",
                                          "optimizer.optimizer_cpu_offload=True",

@@ -28,6 +28,9 @@ from jaxoffload.train.resolve import Setup
 # memory of their own (docs/performance.md#host-memory).
 PINNED_POOL_SLACK = 1 / 8
 RUNTIME_BYTES = 4 * 2**30
+# On GPUs that pool is a BFC allocator: it grows by regions, the first of 2 MiB and
+# each one twice the last, until a region would pass the pool's limit.
+FIRST_POOL_REGION = 2 * 2**20
 # How many times its checkpoint's bytes a save of the host kernel's state adds
 # to the host's memory; other state adds them once (docs/performance.md#host-memory).
 HOST_KERNEL_SAVE_COPIES = 2.5
@@ -45,7 +48,8 @@ class HostBytes:
     transient: what one phase holds and then frees (loading the first weights,
       one step's offloaded activations, a checkpoint's copy of the state); only the
       largest counts.
-    pinned: of what is held, the bytes in XLA's pinned pool (every local device's).
+    pinned: of what is held, the bytes of the arrays in XLA's pinned pool (every local
+      device's).
   """
 
   held: dict[str, int]
@@ -118,7 +122,8 @@ def needed(setup: Setup) -> HostBytes:
       held["offloaded weights"] += 2 * elements * shape.dtype.itemsize
     saved += elements * checkpointed
   pinned = sum(held.values()) - held["host kernel moments and sums"]
-  held["pinned allocator overhead"] = int(PINNED_POOL_SLACK * pinned)
+  held["pinned allocator overhead"] = (
+      pinned_pool_bytes(pinned, pinned_pool_limit(), jax.local_device_count()) - pinned)
   held["JAX runtime"] = RUNTIME_BYTES
   share = jax.local_device_count() / jax.device_count()
   m, t = setup.config.model, setup.config.train
@@ -127,7 +132,7 @@ def needed(setup: Setup) -> HostBytes:
   transient = {"loading the first weights": weights.staging_bytes(setup),
                "offloaded activations": int(share * activations),
                "saving a checkpoint": int(saved) if setup.config.checkpoint.dir else 0}
-  return HostBytes(held, transient, pinned + held["pinned allocator overhead"])
+  return HostBytes(held, transient, pinned)
 
 
 def available(limit: Optional[int]) -> tuple[int, str]:
@@ -146,6 +151,33 @@ def available(limit: Optional[int]) -> tuple[int, str]:
   if cgroup is not None:
     figures.append((cgroup, "left under the cgroup's memory limit"))
   return min(figures) if figures else (2**63, "no limit found")
+
+
+def pinned_pool_bytes(pinned: int, limit: Optional[int], devices: int = 1) -> int:
+  """The host memory XLA's pinned pools take to hold ``pinned`` bytes of arrays at once.
+
+  Args:
+    pinned: the arrays' bytes, spread evenly over ``devices``.
+    limit: each device's pool limit (``pinned_pool_limit``); None where the pinned
+      arrays take their own bytes and an eighth more.
+    devices: how many local devices hold them, each with its own pool.
+
+  Returns:
+    Every pool's bytes. On GPUs a pool grows by regions, each twice the last from 2 MiB,
+    until it holds its arrays and an eighth more (fragmentation) or reaches ``limit``:
+    up to twice its arrays.
+
+  Example:
+    >>> pinned_pool_bytes(44 * 2**30, 64 * 2**30) // 2**30  # A 64 GiB pool for 44 GiB.
+    64
+  """
+  if limit is None or pinned == 0:
+    return pinned + int(PINNED_POOL_SLACK * pinned)
+  wanted, pool, region = (1 + PINNED_POOL_SLACK) * pinned / devices, 0, FIRST_POOL_REGION
+  while pool < wanted and pool < limit:
+    pool += min(region, limit - pool)
+    region *= 2
+  return pool * devices
 
 
 def pinned_pool_limit() -> Optional[int]:
@@ -169,7 +201,8 @@ def check(setup: Setup) -> HostBytes:
     optimizer state 48.2 GB, offloaded activations 3.1 GB, pinned allocator overhead 6.0 GB, ...
   """
   need = needed(setup)
-  pool, per_device = pinned_pool_limit(), need.pinned // jax.local_device_count()
+  pool = pinned_pool_limit()
+  per_device = int((1 + PINNED_POOL_SLACK) * need.pinned) // jax.local_device_count()
   if pool is not None and per_device > pool:
     raise ConfigError(
         f"host memory: this run pins about {size(per_device)} of host memory per GPU, more than "
@@ -181,13 +214,28 @@ def check(setup: Setup) -> HostBytes:
   if need.total <= have:
     return need
   # The keys of the parts that matter, largest first.
+  lowered_by = {**KEYS, "pinned allocator overhead": pool_limit_advice(need)}
   parts = sorted(((n, name) for name, n in {**need.held, **need.transient}.items()
-                  if name in KEYS and n >= need.total / 10), reverse=True)
-  keys = "; ".join(dict.fromkeys(KEYS[name] for _, name in parts))
+                  if lowered_by.get(name) and n >= need.total / 10), reverse=True)
+  keys = "; ".join(dict.fromkeys(lowered_by[name] for _, name in parts))
   lower = f"; lower it with {keys}" if keys else ""
   raise ConfigError(f"host memory: this run needs about {size(need.total)} more ({need}) but "
                     f"{size(max(have, 0))} is {source}{lower}, or set train.host_memory_limit "
                     f"where that figure is wrong")
+
+
+def pool_limit_advice(need: HostBytes) -> str:
+  """How to keep a GPU's pinned pool near its arrays: the pool limit that still holds them,
+  to set before JAX starts; empty where that would not save a tenth of the pool."""
+  limit, devices = pinned_pool_limit(), jax.local_device_count()
+  if limit is None:
+    return ""
+  gib = math.ceil((1 + PINNED_POOL_SLACK) * need.pinned / devices / 2**30)
+  pool, capped = (pinned_pool_bytes(need.pinned, n, devices) for n in (limit, gib * 2**30))
+  if capped > pool - pool / 10:
+    return ""
+  return (f"{PINNED_POOL_VARIABLE}={gib} before starting (XLA's pinned pool then holds "
+          f"{size(capped)}, not {size(pool)})")
 
 
 def _read_keyed(path: str) -> dict[str, int]:
