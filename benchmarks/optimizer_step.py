@@ -111,8 +111,12 @@ def measure(fraction: float, update_on: str, layout: str, size: str, steps: int,
   }
 
 
-def torch_fused_adamw_rate(n: int = 128 * 2**20, steps: int = 5) -> float | None:
-  """torch's fused CPU AdamW, parameters per second, for comparison; None without torch."""
+TORCH_PARAMS = 128 * 2**20
+
+
+def torch_fused_adamw_rate(n: int = TORCH_PARAMS, steps: int = 5) -> float | None:
+  """torch's fused CPU AdamW over ``n`` parameters, per second, for comparison; None without
+  torch."""
   try:
     import torch
   except ImportError:
@@ -151,7 +155,8 @@ def markdown(results: list[dict], meta: dict) -> str:
         f"{(r['offloaded_params_per_s'] or 0) / 1e9:.2f} |")
   if meta.get("torch_fused_adamw_params_per_s"):
     lines += ["", f"torch fused CPU AdamW on the same host: "
-              f"{meta['torch_fused_adamw_params_per_s'] / 1e9:.2f} G params/s (128M fp32 params)."]
+              f"{meta['torch_fused_adamw_params_per_s'] / 1e9:.2f} G params/s "
+              f"({meta['torch_params']:,} fp32 params)."]
   return "\n".join(lines) + "\n"
 
 
@@ -177,8 +182,11 @@ def main() -> None:
   results = run_children(__file__, settings, ["--layout", args.layout, "--size", args.size,
                                               "--steps", str(args.steps),
                                               "--chunk-mib", str(args.chunk_mib)])
+  # As many parameters as the model, at most 128M.
+  torch_params = min(results[0]["params"], TORCH_PARAMS)
   meta = {**metadata(sys.argv), "layout": args.layout, "params": results[0]["params"],
-          "torch_fused_adamw_params_per_s": torch_fused_adamw_rate()}
+          "torch_params": torch_params,
+          "torch_fused_adamw_params_per_s": torch_fused_adamw_rate(torch_params)}
   write_report(args.out, meta, results, markdown(results, meta))
 
 

@@ -38,6 +38,7 @@ def test_every_benchmark_has_help(script, capsys, monkeypatch):
       "--steps", "1", "--modes", "save,offload:all:qkv"], "mode"),
     (["benchmarks/optimizer_step.py", "--size", "miniature", "--steps", "1", "--fractions", "0.5",
       "--modes", "device"], "update_on"),
+    (["benchmarks/host_memory.py", "train.train_iters=1"], "phases"),
     # The calibration that exploring needs has a test of its own (test_plan).
     (["benchmarks/planner.py", "--steps", "2", "--offload-only", "train.global_batch_size=2",
       "train.micro_batch_size=2"], "ran"),
