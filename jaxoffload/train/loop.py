@@ -76,7 +76,8 @@ def run(config: Config, *, log: Log = print, stop_after_step: Optional[int] = No
     log = lambda _: None
   setup = resolve(config)
   config = setup.config
-  advice = host_memory.pool_limit_advice(host_memory.check(setup))  # Before anything is allocated.
+  need = host_memory.check(setup)  # Before anything is allocated.
+  advice = host_memory.pool_limit_advice(need)
   if advice:
     log(f"note: host memory: {advice}")
   # Made first: a missing writer is found before anything compiles.
