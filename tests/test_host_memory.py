@@ -180,3 +180,19 @@ def test_the_pool_limit_that_holds_the_pinned_arrays_is_advised_where_it_saves(m
   assert advice(28 * GiB - 2 * MiB) == ""  # 31.5 GiB: the 32 GiB of regions hold it.
   monkeypatch.setattr(host_memory, "pinned_pool_limit", lambda: None)
   assert advice(44 * GiB) == ""
+
+
+def test_a_refusal_names_the_pool_limit_where_the_pinned_pool_is_a_large_part(monkeypatch):
+  from jaxoffload.train import host_memory
+  # A GPU's pool far past its arrays: 44 GiB of them spread over this process's devices.
+  monkeypatch.setattr(host_memory, "pinned_pool_limit", lambda: 64 * GiB)
+  pinned = 44 * GiB
+  overhead = host_memory.pinned_pool_bytes(pinned, 64 * GiB, jax.local_device_count()) - pinned
+  monkeypatch.setattr(host_memory, "needed", lambda setup: host_memory.HostBytes(
+      {"optimizer state": pinned, "pinned allocator overhead": overhead}, {}, pinned))
+  setup = resolve(load_config(None, ["train.host_memory_limit=10GB"]))
+  advice = host_memory.pool_limit_advice(host_memory.needed(setup))
+  assert advice.startswith("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=")
+  with pytest.raises(ConfigError, match="lower it with optimizer.optimizer_offload_fraction"
+                                        ".*; XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB="):
+    host_memory.check(setup)
