@@ -36,7 +36,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +45,8 @@ import numpy as np
 from jaxoffload import host_adam, host_arrays
 
 Schedule = Union[float, Callable[[int], float]]
+# A leaf's index, and a layer's index along axis 0 of a stacked leaf (None: all of it).
+Piece = tuple[int, Optional[int]]
 
 # Learning rates come from a table of this many updates, filled ahead: a JAX
 # schedule evaluated at each update would queue behind the device step in
@@ -153,6 +155,8 @@ class HostAdamW:
     self._mu = [[np.zeros_like(v) for v in views[0]] for views in self._weight_views]
     self._nu = [[np.zeros_like(v) for v in views[0]] for views in self._weight_views]
     self._held: Optional[tuple[Sequence[jax.Array], jax.Array]] = None
+    # hold()'s gradients by piece not yet applied, their scale and learning rate.
+    self._pieces: Optional[tuple[dict, Any, float]] = None
     # Per leaf and shard, the float32 sums of accumulate(); _summed: they hold this step's.
     self._sums: Optional[list[list[np.ndarray]]] = None
     self._summed = False
@@ -235,6 +239,7 @@ class HostAdamW:
     ``accumulate``, it applies the sums instead: pass ``grads=()``, and a
     ``grad_scale`` that also divides by the number of micro-batches.
     """
+    self.apply_held()
     if self._summed:
       if grads:
         raise ValueError("update after accumulate applies the sums: pass no gradients")
@@ -287,8 +292,55 @@ class HostAdamW:
     self._summed = True
     return squares
 
+  def hold(self, grads: Mapping[Piece, jax.Array], grad_scale: Union[float, jax.Array] = 1.0
+           ) -> None:
+    """Takes one step's gradients by piece, for ``apply_held`` to apply a piece at a time.
+
+    An exact update spread over the next device step: apply each piece just
+    before the program that reads its weights is dispatched, so that the host
+    updates one while the device computes with those before it. A piece is
+    ``(leaf, layer)``: a leaf's index and, for a leaf stacked over layers
+    (axis 0), one layer's index, its gradient that layer's slice; or
+    ``(leaf, None)`` for the whole leaf. The update counts (``count``) from
+    now; ``params`` holds it once every piece is applied.
+
+    Args:
+      grads: per piece, its gradient in host memory; together they cover every leaf once.
+      grad_scale: as ``update``'s.
+
+    Raises:
+      ValueError: with ``delayed``, which holds gradients its own way.
+    """
+    if self.delayed:
+      raise ValueError("hold spreads an exact update over the next step; delayed=True "
+                       "holds whole steps: use update")
+    self.apply_held()
+    self.count += 1
+    self._pieces = (dict(grads), grad_scale, self._learning_rate(self.count - 1))
+
+  def apply_held(self, pieces: Optional[Iterable[Piece]] = None) -> None:
+    """Applies the held gradients of ``pieces`` (None: all still held), waiting for them;
+    pieces already applied or not held are skipped.
+
+    Example:
+      >>> host.hold({(0, layer): g for layer, g in enumerate(layer_grads)}, clip_factor)
+      >>> host.apply_held([(0, 0)])  # Before dispatching the program that reads layer 0.
+    """
+    if self._pieces is None:
+      return
+    grads, scale, learning_rate = self._pieces
+    for piece in list(grads) if pieces is None else pieces:
+      grad = grads.pop(piece, None)
+      if grad is not None:
+        jax.block_until_ready((grad, scale))
+        self._apply_piece(piece, grad, host_arrays.read_scalar(scale), learning_rate,
+                          into=self._current)
+    if not grads:
+      self._pieces = None
+
   def finish(self) -> None:
     """Applies the held gradients, if any, so that ``params`` has every update."""
+    self.apply_held()
     if self._held is not None:
       held, self._held = self._held, None
       self._apply(*held, into=1 - self._current)
@@ -383,14 +435,21 @@ class HostAdamW:
     self.count += 1
     learning_rate = self._learning_rate(self.count - 1)
     for leaf, grad in enumerate(grads):
-      weights, copies = self._weight_views[leaf], self._copy_views[leaf]
-      source, target = weights[self._current % len(weights)], weights[into % len(weights)]
-      # A leaf's gradient: an array in host memory, or a sum's shards.
-      views = grad if isinstance(grad, list) else host_arrays.shard_views(grad)
-      for shard, grad_view in enumerate(views):
-        host_adam.adamw_update(source[shard], grad_view, self._mu[leaf][shard],
-                               self._nu[leaf][shard], learning_rate=learning_rate,
-                               count=self.count, grad_scale=scale, out=target[shard],
-                               copy=copies[into][shard] if copies else None, predict=predict,
-                               **self._hyper)
+      self._apply_piece((leaf, None), grad, scale, learning_rate, into, predict)
     self._current = into
+
+  def _apply_piece(self, piece: Piece, grad: Union[jax.Array, list], scale: float,
+                   learning_rate: float, into: int, predict: bool = False) -> None:
+    """Applies a leaf's gradient, or one layer's of a stacked leaf (``piece``)."""
+    leaf, layer = piece
+    weights, copies = self._weight_views[leaf], self._copy_views[leaf]
+    source, target = weights[self._current % len(weights)], weights[into % len(weights)]
+    part = (lambda views: views) if layer is None else (lambda views: views[layer])
+    # A leaf's gradient: an array in host memory, or a sum's shards.
+    views = grad if isinstance(grad, list) else host_arrays.shard_views(grad)
+    for shard, grad_view in enumerate(views):
+      host_adam.adamw_update(part(source[shard]), grad_view, part(self._mu[leaf][shard]),
+                             part(self._nu[leaf][shard]), learning_rate=learning_rate,
+                             count=self.count, grad_scale=scale, out=part(target[shard]),
+                             copy=part(copies[into][shard]) if copies else None,
+                             predict=predict, **self._hyper)

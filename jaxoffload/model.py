@@ -161,7 +161,7 @@ def _dense(features: int, config: LlamaConfig, name: str,
                   param_dtype=jnp.dtype(config.params_dtype), name=name, kernel_init=init)
 
 
-def _constrain(mesh: Optional[Mesh], x: jax.Array, *feature_axes: Optional[str]) -> jax.Array:
+def constrain(mesh: Optional[Mesh], x: jax.Array, *feature_axes: Optional[str]) -> jax.Array:
   """``x`` [batch, length, ...] sharded over ``mesh`` by its batch and feature axes.
 
   Without these XLA may shard a matmul over its contracting axis and gather
@@ -185,7 +185,7 @@ class Attention(nn.Module):
 
     def heads(name: str, axis: str, count: int) -> jax.Array:
       y = _dense(count * c.head_dim, c, name, ("embed", axis))(x)
-      return _constrain(mesh, y.reshape(*y.shape[:-1], count, c.head_dim), axis, None)
+      return constrain(mesh, y.reshape(*y.shape[:-1], count, c.head_dim), axis, None)
 
     q = heads("query", "heads", c.num_attention_heads)
     k = heads("key", "kv_heads", c.num_query_groups)
@@ -195,10 +195,10 @@ class Attention(nn.Module):
     k = checkpoint_name(rotary(k, freqs), "key_proj")
     v = checkpoint_name(v, "value_proj")
     out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=c.attention)
-    out = checkpoint_name(_constrain(mesh, out, "heads", None), "attention_out")
+    out = checkpoint_name(constrain(mesh, out, "heads", None), "attention_out")
     out = out.reshape(*out.shape[:-2], c.num_attention_heads * c.head_dim)
     out = _dense(c.hidden_size, c, "out", ("heads", "embed"))(out)
-    return _constrain(mesh, out, "embed_activation")
+    return constrain(mesh, out, "embed_activation")
 
 
 class MLP(nn.Module):
@@ -210,12 +210,12 @@ class MLP(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     c = self.config
-    hidden = lambda name: _constrain(
+    hidden = lambda name: constrain(
         self.mesh, _dense(c.intermediate_size, c, name, ("embed", "mlp"))(x), "mlp")
     gate = checkpoint_name(hidden("gate"), "mlp_gate")
     up = checkpoint_name(hidden("up"), "mlp_up")
     down = _dense(c.hidden_size, c, "down", ("mlp", "embed"))
-    return _constrain(self.mesh, down(nn.silu(gate) * up), "embed_activation")
+    return constrain(self.mesh, down(nn.silu(gate) * up), "embed_activation")
 
 
 class DecoderLayer(nn.Module):
@@ -227,7 +227,7 @@ class DecoderLayer(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array, _: None) -> tuple[jax.Array, None]:
     c, mesh = self.config, self.mesh
-    x = checkpoint_name(_constrain(mesh, x, "embed_activation"), "layer_input")
+    x = checkpoint_name(constrain(mesh, x, "embed_activation"), "layer_input")
     x = x + Attention(c, mesh, name="attention")(RMSNorm(c, name="attention_norm")(x))
     x = checkpoint_name(x, "mlp_input")
     x = x + MLP(c, mesh, name="mlp")(RMSNorm(c, name="mlp_norm")(x))
@@ -262,12 +262,8 @@ class Llama(nn.Module):
   @nn.compact
   def __call__(self, tokens: jax.Array) -> jax.Array:
     c = self.config
-    embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=jnp.dtype(c.dtype),
-                     param_dtype=jnp.dtype(c.params_dtype),
-                     embedding_init=nn.with_logical_partitioning(nn.initializers.normal(0.02),
-                                                                 ("vocab", "embed")),
-                     name="embed")
-    x = _constrain(self.mesh, embed(tokens), "embed_activation")
+    embed = embedding(c)
+    x = constrain(self.mesh, embed(tokens), "embed_activation")
     for group in self.groups or layer_groups(c.num_layers):
       layer = DecoderLayer
       if group.offload_weights or group.fetch_weights:
@@ -283,12 +279,31 @@ class Llama(nn.Module):
                       length=group.stop - group.start,
                       metadata_params={nn.PARTITION_NAME: "layers"})
       x, _ = stack(c, self.mesh, name=group_name(group))(x, None)
-    x = RMSNorm(c, name="final_norm")(x)
-    if c.share_embeddings_and_output_weights:
-      logits = embed.attend(x)
-    else:
-      logits = _dense(c.vocab_size, c, "lm_head", ("embed", "vocab"))(x)
-    return _constrain(self.mesh, logits, "vocab").astype(jnp.float32)
+    lm_head = None if c.share_embeddings_and_output_weights else output_layer(c)
+    return output_logits(c, self.mesh, x, RMSNorm(c, name="final_norm"), embed, lm_head)
+
+
+def embedding(config: LlamaConfig) -> nn.Embed:
+  """The token embedding (parameters ``embed``)."""
+  return nn.Embed(config.vocab_size, config.hidden_size, dtype=jnp.dtype(config.dtype),
+                  param_dtype=jnp.dtype(config.params_dtype),
+                  embedding_init=nn.with_logical_partitioning(nn.initializers.normal(0.02),
+                                                              ("vocab", "embed")),
+                  name="embed")
+
+
+def output_layer(config: LlamaConfig) -> nn.Dense:
+  """The LM head of a model that does not share it with the embedding (``lm_head``)."""
+  return _dense(config.vocab_size, config, "lm_head", ("embed", "vocab"))
+
+
+def output_logits(config: LlamaConfig, mesh: Optional[Mesh], x: jax.Array, final_norm: RMSNorm,
+                  embed: nn.Embed, lm_head: Optional[nn.Dense]) -> jax.Array:
+  """The float32 logits of the last layer's output ``x``: the final norm, then the LM head
+  (``lm_head``, or the embedding transposed where it is None)."""
+  x = final_norm(x)
+  logits = embed.attend(x) if lm_head is None else lm_head(x)
+  return constrain(mesh, logits, "vocab").astype(jnp.float32)
 
 
 def next_token_loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:

@@ -88,6 +88,45 @@ def test_host_updates_equal_optax(delayed):
   assert max_rel_diff(got, want) <= 1e-6
 
 
+@jax.jit
+def device_step_by_piece(host_weights, batch):
+  """``device_step``'s gradients by piece: leaf 0 a layer at a time (its rows), leaf 1 whole."""
+  grads, scale = device_step(host_weights, batch)
+  pieces = {(0, layer): to_host(to_device(grads[0])[layer]) for layer in range(8)}
+  return {**pieces, (1, None): grads[1]}, scale
+
+
+def test_held_pieces_update_as_the_whole_step_does():
+  weights, batches = problem()
+  pinned = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+  host = HostAdamW([jax.device_put(np.array(w), pinned) for w in weights],
+                   learning_rate=schedule, **HYPER)
+  rng = np.random.default_rng(0)
+  for step, batch in enumerate(batches):
+    # In any order, over several calls; all before the step that reads the weights.
+    host.apply_held([(0, layer) for layer in range(4)])
+    host.apply_held()
+    pieces, scale = device_step_by_piece(host.params, batch)
+    host.hold(pieces, scale)
+    assert host.count == step + 1
+    order = list(pieces)
+    rng.shuffle(order)
+    host.apply_held(order[:5])
+  host.finish()
+  whole = host_run(weights, batches, delayed=False)
+  assert all(np.array_equal(a, b) for a, b in zip(host.snapshot(), whole))
+  assert max_rel_diff(whole, optax_reference(weights, batches, delay=0)) <= 1e-6
+
+
+def test_held_pieces_need_an_exact_update():
+  weights, _ = problem()
+  pinned = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+  host = HostAdamW([jax.device_put(np.array(w), pinned) for w in weights],
+                   learning_rate=schedule, delayed=True, **HYPER)
+  with pytest.raises(ValueError, match="delayed=True holds whole steps"):
+    host.hold({}, 1.0)
+
+
 def test_delay_begins_after_the_exact_updates_asked_for():
   weights, batches = problem()
   got = host_run(weights, batches, delayed=True, delay_after=3)

@@ -96,6 +96,13 @@ SLOW = pytest.mark.slow
                  id="weights-and-optimizer"),
     pytest.param(["train.micro_batch_size=4"], marks=SLOW, id="accumulation"),
     pytest.param([*HOST_KERNEL, "train.micro_batch_size=4"], marks=SLOW, id="host-kernel"),
+    # A program per layer, the host updating each before the next step reads it.
+    pytest.param([*HOST_KERNEL, "optimizer.overlap_cpu_optimizer_d2h_h2d=True"],
+                 id="host-kernel-overlapped"),
+    pytest.param([*HOST_KERNEL[:1], "optimizer.optimizer_offload_fraction=1.0", *HOST_KERNEL[2:],
+                  "optimizer.overlap_cpu_optimizer_d2h_h2d=True",
+                  "model.cpu_offloading=True", "model.cpu_offloading_num_layers=2"],
+                 marks=SLOW, id="host-kernel-all-overlapped-activations"),
     pytest.param([*HOST_KERNEL, "train.micro_batch_size=4",
                   "optimizer.accumulate_offloaded_grads_on=device"], marks=SLOW,
                  id="host-kernel-summing-on-the-device"),
@@ -117,6 +124,19 @@ def test_losses_equal_the_baseline(overrides, baseline_losses):
   losses = train(load_config(None, [f"train.train_iters={STEPS}", *overrides]), log=QUIET)
   assert baseline_losses[-1] < baseline_losses[0]
   np.testing.assert_allclose(losses, baseline_losses, rtol=1e-5)
+
+
+@SLOW
+def test_an_overlapped_update_of_a_shared_embedding_sums_both_its_gradients():
+  shared = [f"train.train_iters={STEPS}", "model.share_embeddings_and_output_weights=True"]
+  whole_model = train(load_config(None, shared), log=QUIET)
+  overlapped = train(load_config(None, [*shared, *HOST_KERNEL[:1],
+                                        "optimizer.optimizer_offload_fraction=1.0",
+                                        *HOST_KERNEL[2:],
+                                        "optimizer.overlap_cpu_optimizer_d2h_h2d=True"]),
+                     log=QUIET)
+  assert whole_model[-1] < whole_model[0]
+  np.testing.assert_allclose(overlapped, whole_model, rtol=1e-5)
 
 
 @pytest.mark.parametrize("overrides", [

@@ -115,7 +115,10 @@ class OptimizerConfig:
       as in PipeMare and SpecTrain); the host keeps the true weights.
     overlap_cpu_optimizer_d2h_h2d: with optimizer_offload_update_on=device, fetch each
       streamed piece of state while the previous one updates (double buffering, one
-      more piece of device memory).
+      more piece of device memory). With host_kernel, run the model a program per layer
+      and apply each layer's (exact) update just before the next step's forward pass
+      reads it, while the device computes the layers before it; needs one micro-batch a
+      step and no weights offload.
     offload_transfer_dtype: with host_kernel, the dtype in which the device reads the
       offloaded weights and sends their clipped gradients: bfloat16 halves both copies
       for the leaves the model multiplies in bfloat16 (norm scales stay float32);

@@ -60,13 +60,15 @@ class StepPrograms:
     device_leaves, host_leaves = self.device_only(shardings), self.host_leaves(shardings)
     self.step = jax.jit(self._train_step, donate_argnums=(0, 2), out_shardings=(
         device_leaves, self.state_shardings, None, None, host_leaves, host_scalar))
+    # apply_sums's: the device leaves, the state, the loss, the norm, the host's factor.
+    self.update_shardings = (device_leaves, self.state_shardings, None, None, host_scalar)
     if setup.sums_on_host:
       sums = (replicated, [s.with_memory_kind(DEVICE_KIND) for s in device_leaves])
       self.zero_sums = jax.jit(self._zeros, out_shardings=sums)
       self.micro_step = jax.jit(self._micro_grads, donate_argnums=(2,),
                                 out_shardings=(sums, host_leaves))
-      self.update_step = jax.jit(self._apply_sums, donate_argnums=(0, 1), out_shardings=(
-          device_leaves, self.state_shardings, None, None, host_scalar))
+      self.update_step = jax.jit(self.apply_sums, donate_argnums=(0, 1),
+                                 out_shardings=self.update_shardings)
     self.eval_loss = jax.jit(self._loss)
 
   def device_only(self, leaves: list) -> list:
@@ -136,7 +138,7 @@ class StepPrograms:
     return (loss_sum + loss, totals), [
         to_host(g.astype(d)) for g, d in zip(self.host_leaves(leaves), setup.transfer_dtypes)]
 
-  def _apply_sums(self, device_leaves, opt_state, sums, host_squares):
+  def apply_sums(self, device_leaves, opt_state, sums, host_squares):
     """The update from the micro-batches' sums: their mean, clipped by the global norm, to
     which the host kernel's leaves add ``host_squares`` (their sums' squares, summed)."""
     setup = self.setup

@@ -77,6 +77,12 @@ class Setup:
             for d, host in zip(multiplied_in, self.offload.offloaded) if host]
 
   @property
+  def overlaps_host_update(self) -> bool:
+    """Whether the host kernel's update overlaps the next step's forward pass, a program per
+    layer (``train.overlap``): ``optimizer.overlap_cpu_optimizer_d2h_h2d`` with it."""
+    return self.host_kernel and self.config.optimizer.overlap_cpu_optimizer_d2h_h2d
+
+  @property
   def sums_on_host(self) -> bool:
     """Whether the host kernel sums its leaves' gradients over micro-batches (a program per
     micro-batch, ``StepPrograms``): with it, several micro-batches and

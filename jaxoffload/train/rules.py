@@ -190,11 +190,11 @@ def _check_optimizer(config: Config) -> None:
     except ValueError:
       raise ConfigError(f"optimizer.optimizer_offload_fraction must be in [0.0, 1.0] or auto, "
                         f"got {o.optimizer_offload_fraction!r}") from None
-  if o.overlap_cpu_optimizer_d2h_h2d and o.optimizer_offload_update_on != "device":
+  if o.overlap_cpu_optimizer_d2h_h2d and o.optimizer_offload_update_on == "host":
     raise ConfigError(
-        f"optimizer.overlap_cpu_optimizer_d2h_h2d=True overlaps the copies of state streamed "
-        f"through the device: it needs optimizer.optimizer_offload_update_on=device, got "
-        f"{o.optimizer_offload_update_on!r} (with host_kernel, delayed_update=True overlaps)")
+        "optimizer.overlap_cpu_optimizer_d2h_h2d=True overlaps the update with the device's "
+        "work: it needs optimizer.optimizer_offload_update_on=device, host_kernel or auto, "
+        "got 'host'")
   if o.use_torch_optimizer_for_cpu_offload:
     raise ConfigError("optimizer.use_torch_optimizer_for_cpu_offload=True: jaxoffload has no "
                       "torch optimizer; offloaded state updates in XLA or with its own "
@@ -205,6 +205,23 @@ def _check_optimizer(config: Config) -> None:
                       f"{config.mesh.data}: shard the optimizer state with mesh.fsdp="
                       f"{config.mesh.data} instead (it shards parameters, gradients and "
                       f"optimizer state alike)")
+
+
+def _check_overlapped_host_update(config: Config) -> None:
+  """The host kernel's update overlaps the next forward pass a program per layer: one
+  micro-batch a step, weights on the device, exact updates."""
+  m, o, t = config.model, config.optimizer, config.train
+  overlap = "optimizer.overlap_cpu_optimizer_d2h_h2d=True with the host kernel"
+  if o.delayed_update:
+    raise ConfigError(f"{overlap} overlaps an exact update with the next forward pass; "
+                      f"optimizer.delayed_update=True delays the whole update instead: set one")
+  if t.micro_batch_size != t.global_batch_size:
+    raise ConfigError(f"{overlap} runs one micro-batch a step: train.micro_batch_size="
+                      f"{t.micro_batch_size} must equal train.global_batch_size="
+                      f"{t.global_batch_size}")
+  if m.cpu_offloading and m.cpu_offloading_weights:
+    raise ConfigError(f"{overlap} runs a program per layer; model.cpu_offloading_weights=True "
+                      f"brings weights in inside the model's scan: set one")
 
 
 def _check_host_kernel(config: Config) -> None:
@@ -231,6 +248,8 @@ def _check_host_kernel(config: Config) -> None:
         f"them while the next step overwrites them; set "
         f"optimizer.accumulate_offloaded_grads_on=device, train.micro_batch_size="
         f"{t.global_batch_size} or optimizer.delayed_update=False")
+  if o.overlap_cpu_optimizer_d2h_h2d and o.optimizer_offload_update_on in ("host_kernel", "auto"):
+    _check_overlapped_host_update(config)
   if o.delayed_update_after < 0:
     raise ConfigError(f"optimizer.delayed_update_after must be >= 0, got {o.delayed_update_after}")
   if o.delayed_update_after and not o.delayed_update:

@@ -23,6 +23,7 @@ from jaxoffload.memory import compiled_device_bytes
 from jaxoffload.model import Llama
 from jaxoffload.params import init_params
 from jaxoffload.train.optimizer import Moments, device_shapes, host_adamw
+from jaxoffload.train.overlap import OverlappedStep
 from jaxoffload.train.programs import StepPrograms
 from jaxoffload.train.resolve import Setup
 
@@ -103,6 +104,7 @@ class Trainer:
     """What the step is, from ``setup`` alone."""
     self.setup = setup
     self.programs = StepPrograms(setup)
+    self.overlapped = OverlappedStep(self.programs) if setup.overlaps_host_update else None
     self._host_shapes: list[jax.ShapeDtypeStruct] = []
     self._compiled: tuple[jax.stages.Compiled, ...] = ()
 
@@ -113,6 +115,8 @@ class Trainer:
 
   def compile(self, tokens: jax.Array) -> CompiledStep:
     """Compiles the step for batches like ``tokens``; later steps run these programs."""
+    if self.overlapped is not None:
+      return self._compile_overlapped(tokens)
     if not self.setup.sums_on_host:
       self._compiled = (self.programs.step.lower(self.params, self.host_params, self.opt_state,
                                          tokens).compile(),)
@@ -131,9 +135,27 @@ class Trainer:
                                             compiled_device_bytes(update)),
                         max(micro.host_temp_size_in_bytes, update.host_temp_size_in_bytes))
 
+  def _compile_overlapped(self, tokens: jax.Array) -> CompiledStep:
+    """``compile`` of the overlapped step's programs. Its device peak: the activations the
+    forward programs keep, with the largest program's temporaries and the device leaves'
+    gradients beside the parameters and state; or the update's, if larger."""
+    programs, saved = self.overlapped.compile(self.params, self.host_params, self.opt_state,
+                                              tokens)
+    self._compiled = tuple(programs.values())
+    analyses = {name: program.memory_analysis() for name, program in programs.items()}
+    update = analyses.pop("update")
+    backward = (_device_bytes((self.params, self.opt_state)) + saved + _device_bytes(self.params)
+                + max(a.temp_size_in_bytes for a in analyses.values()))
+    host_temp = max(a.host_temp_size_in_bytes for a in (update, *analyses.values()))
+    return CompiledStep(self._compiled, max(compiled_device_bytes(update), backward), host_temp)
+
   def step(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
     """One update from ``tokens``; returns the loss (before the update) and the gradients'
     global norm (before clipping)."""
+    if self.overlapped is not None:
+      self.params, self.opt_state, loss, grad_norm = self.overlapped(
+          self.params, self.host, self.opt_state, tokens)
+      return loss, grad_norm
     if self.setup.sums_on_host:
       return self._step_summing_on_host(tokens)
     step = self._compiled[0] if self._compiled else self.programs.step
@@ -164,6 +186,8 @@ class Trainer:
 
   def evaluate(self, tokens: jax.Array) -> jax.Array:
     """The loss on ``tokens`` at the current parameters, with no update."""
+    if self.host is not None:
+      self.host.apply_held()
     return self.programs.eval_loss(self.params, self.host_params, tokens)
 
   def checkpoint(self) -> dict:
@@ -175,6 +199,7 @@ class Trainer:
     mu, nu = (otu.tree_get(self.opt_state, name) for name in ("mu", "nu"))
     if self.host is None:
       return {"params": self.programs.tree(self.params, []), "mu": mu, "nu": nu}
+    self.host.apply_held()  # The overlapped step's update is part of this state.
     host = self.host.checkpoint(copy=False)  # The save finishes before the next update.
     # The device optimizer's moments of the host kernel's leaves are MaskedNodes.
     device = lambda tree: self.programs.device_only(self.programs.treedef.flatten_up_to(tree))

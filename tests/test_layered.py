@@ -1,0 +1,80 @@
+"""The model split into layer programs: the same loss and gradients as the whole model's."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxoffload import layered, remat
+from jaxoffload.model import Llama, LlamaConfig, group_name, next_token_loss
+from jaxoffload.params import init_params
+from tests.helpers import max_rel_diff
+
+CONFIG = LlamaConfig()
+GROUPS = {
+    "save-everything": remat.layer_groups(CONFIG.num_layers),
+    "two-groups": remat.layer_groups(CONFIG.num_layers, offload_num_layers=1,
+                                     offload_placements=remat.RECOMPUTE_ALL),
+    "activation-offload": remat.layer_groups(CONFIG.num_layers, offload_num_layers=2),
+}
+
+
+def _split_grads(model, params, tokens):
+  """The loss and gradients through ``layered``'s pieces, a program each, as the trainer runs
+  them (the layers' forward programs compile once per group, taking the layer's index)."""
+  x, embed_pullback = jax.jit(jax.vjp, static_argnums=0)(
+      lambda p: layered.embed(model, p, tokens), params[layered.EMBED])
+  structures, saved = [], []
+  for group in model.groups:
+    forward = jax.jit(lambda stack, index, x, group=group: jax.vjp(
+        lambda p, x: layered.layer(model, group, p, x), layered.layer_slice(stack, index), x))
+    for index in range(group.stop - group.start):
+      x, pullback = forward(params[group_name(group)], index, x)
+      leaves, structure = jax.tree.flatten(pullback)
+      structures.append(structures[-1] if index else structure)
+      saved.append(leaves)
+  head = {name: params[name] for name in layered.head_names(model)}
+  loss, head_grads, dx = jax.jit(lambda head, x: (lambda loss, pullback: (loss, *pullback(
+      jnp.ones_like(loss))))(*jax.vjp(lambda p, x: layered.head_loss(model, p, x, tokens),
+                                      head, x)))(head, x)
+  backward = jax.jit(layered.backward, static_argnums=0)
+  layer_grads = []
+  for structure, leaves in reversed(list(zip(structures, saved))):
+    grads, dx = backward(structure, leaves, dx)
+    layer_grads.insert(0, grads)
+  (embed_grads,) = jax.jit(lambda pullback, dx: pullback(dx))(embed_pullback, dx)
+  grads = dict(head_grads)
+  if layered.EMBED in grads:  # Shared with the head: both parts of the gradient add up.
+    embed_grads = jax.tree.map(jnp.add, grads[layered.EMBED], embed_grads)
+  grads[layered.EMBED] = embed_grads
+  index = 0
+  for group in model.groups:
+    stop = index + group.stop - group.start
+    grads[group_name(group)] = jax.tree.map(lambda *layers: jnp.stack(layers),
+                                            *layer_grads[index:stop])
+    index = stop
+  return loss, grads
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["lm-head", "shared-embedding"])
+@pytest.mark.parametrize("name", list(GROUPS))
+def test_split_backward_matches_whole_model(name, shared):
+  config = dataclasses.replace(CONFIG, share_embeddings_and_output_weights=shared)
+  model = Llama(config, GROUPS[name])
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 32), 0, config.vocab_size)
+  params = init_params(model, jax.random.PRNGKey(0), tokens)
+  whole = jax.value_and_grad(
+      lambda p: next_token_loss(model.apply({"params": p}, tokens), tokens))
+  loss, grads = whole(params)
+  split_loss, split_grads = _split_grads(model, params, tokens)
+  assert jax.tree.structure(split_grads) == jax.tree.structure(grads)
+  assert abs(float(split_loss) - float(loss)) < 1e-6 * float(loss)
+  assert max_rel_diff(split_grads, grads) < 1e-5
+
+
+def test_weight_offloaded_groups_are_not_splittable():
+  assert layered.splittable(Llama(CONFIG, GROUPS["two-groups"]))
+  weights = remat.layer_groups(CONFIG.num_layers, offload_num_layers=2, offload_weights=True)
+  assert not layered.splittable(Llama(CONFIG, weights))
