@@ -35,33 +35,36 @@ def _require_numba() -> None:
     raise ImportError("jaxoffload.host_adam needs numba: pip install 'jaxoffload[host]'")
 
 
-@functools.cache
-def _kernel():
-  """The compiled kernels (the AdamW step, the gradient sum), built on first use (numba
-  compiles them once per process)."""
-  _require_numba()
+@numba.njit(inline="always") if numba else (lambda f: f)
+def _widen(bits):
   # numba widens integer arithmetic to 64 bits: each result is cut back to 32.
-  @numba.njit(inline="always")
-  def widen(bits):
-    return np.uint32(np.uint32(bits) << 16).view(np.float32)
+  return np.uint32(np.uint32(bits) << 16).view(np.float32)
 
-  @numba.njit(inline="always")
-  def round_to_bfloat16(x):
-    # Round to nearest even, as XLA's convert; a NaN stays a quiet NaN of its sign.
-    bits = np.float32(x).view(np.uint32)
-    if x != x:
-      return np.uint16(np.uint32((bits >> 16) & 0x8000) | 0x7FC0)
-    return np.uint16(np.uint32(bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)
 
-  @numba.njit(parallel=True, cache=True)
-  def step(param, out, grad, grad_bf16, copy_bf16, copy_f32, mu, nu, grad_scale, lr, b1, b2,
-           one_minus_b1, one_minus_b2, eps, weight_decay, bias1, bias2, grad_is_bf16, copy_kind,
-           predict):
+@numba.njit(inline="always") if numba else (lambda f: f)
+def _round_to_bfloat16(x):
+  # Round to nearest even, as XLA's convert; a NaN stays a quiet NaN of its sign. A select,
+  # not a branch, so that the loops around it vectorise.
+  bits = np.float32(x).view(np.uint32)
+  rounded = np.uint16(np.uint32(bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)
+  quiet_nan = np.uint16(np.uint32((bits >> 16) & 0x8000) | 0x7FC0)
+  return quiet_nan if x != x else rounded
+
+
+@functools.cache
+def _step_kernel(grad_is_bf16: bool, copy_kind: int, predict: bool):
+  """The AdamW step compiled for one kind of gradient and copy: with the choices fixed at
+  compile time the loop has no branches, and vectorises."""
+  _require_numba()
+
+  @numba.njit(parallel=True)
+  def step(param, out, grad, copy, mu, nu, grad_scale, lr, b1, b2, one_minus_b1, one_minus_b2,
+           eps, weight_decay, bias1, bias2):
     # Element by element, as optax.adamw: moments, bias correction, decoupled
     # weight decay, learning rate. Scalars are float32, so is the arithmetic.
     # bfloat16 arrays come as their uint16 bits.
     for i in numba.prange(param.size):
-      g = (widen(grad_bf16[i]) if grad_is_bf16 else grad[i]) * grad_scale
+      g = (_widen(grad[i]) if grad_is_bf16 else grad[i]) * grad_scale
       m = b1 * mu[i] + one_minus_b1 * g
       v = b2 * nu[i] + one_minus_b2 * (g * g)
       mu[i] = m
@@ -73,23 +76,31 @@ def _kernel():
       # weights one more such update ahead.
       seen = new - lr * update if predict else new
       if copy_kind == 1:
-        copy_bf16[i] = round_to_bfloat16(seen)
+        copy[i] = _round_to_bfloat16(seen)
       elif copy_kind == 2:
-        copy_f32[i] = seen
+        copy[i] = seen
 
-  @numba.njit(parallel=True, cache=True)
-  def accumulate(total, grad, grad_bf16, grad_is_bf16, first, square_sum):
+  return step
+
+
+@functools.cache
+def _sum_kernel(grad_is_bf16: bool, first: bool, square_sum: bool):
+  """The gradient sum compiled for one kind of gradient, start and norm (as ``_step_kernel``)."""
+  _require_numba()
+
+  @numba.njit(parallel=True)
+  def accumulate(total, grad):
     # A float64 sum of squares: the norm of billions of float32 elements.
     squares = 0.0
     for i in numba.prange(total.size):
-      g = widen(grad_bf16[i]) if grad_is_bf16 else grad[i]
+      g = _widen(grad[i]) if grad_is_bf16 else grad[i]
       t = g if first else total[i] + g
       total[i] = t
       if square_sum:
         squares += np.float64(t) * np.float64(t)
     return squares
 
-  return step, accumulate
+  return accumulate
 
 
 def accumulate(total: np.ndarray, grad: np.ndarray, *, first: bool = False,
@@ -113,9 +124,8 @@ def accumulate(total: np.ndarray, grad: np.ndarray, *, first: bool = False,
     _check_array(name, array, dtypes, total, "total")
   grad_is_bf16 = grad.dtype == ml_dtypes.bfloat16
   flat = grad.reshape(-1)
-  return float(_kernel()[1](total.reshape(-1), np.zeros(1, np.float32) if grad_is_bf16 else flat,
-                            flat.view(np.uint16) if grad_is_bf16 else np.zeros(1, np.uint16),
-                            grad_is_bf16, first, square_sum))
+  kernel = _sum_kernel(grad_is_bf16, first, square_sum)
+  return float(kernel(total.reshape(-1), flat.view(np.uint16) if grad_is_bf16 else flat))
 
 
 def _check_array(name: str, array: np.ndarray, dtypes: tuple, like: np.ndarray, like_name: str
@@ -173,20 +183,14 @@ def adamw_update(param: np.ndarray, grad: np.ndarray, mu: np.ndarray, nu: np.nda
   f32 = np.float32
   grad_is_bf16 = grad.dtype == ml_dtypes.bfloat16
   copy_kind = 0 if copy is None else 1 if copy.dtype == ml_dtypes.bfloat16 else 2
-  unused_bits = np.zeros(1, np.uint16)
-  unused_f32 = np.zeros(1, np.float32)
-  bits = lambda a: a.reshape(-1).view(np.uint16)
-  _kernel()[0](param.reshape(-1), out.reshape(-1),
-            unused_f32 if grad_is_bf16 else grad.reshape(-1),
-            bits(grad) if grad_is_bf16 else unused_bits,
-            bits(copy) if copy_kind == 1 else unused_bits,
-            copy.reshape(-1) if copy_kind == 2 else unused_f32,
-            mu.reshape(-1), nu.reshape(-1),
-            # optax takes 1 - b1 in Python's float64 and rounds it once: 0.1, not
-            # float32(1) - float32(0.9) = 0.100000024.
-            f32(grad_scale), f32(learning_rate), f32(b1), f32(b2), f32(1 - b1), f32(1 - b2),
-            f32(eps), f32(weight_decay), f32(1 - b1**count), f32(1 - b2**count), grad_is_bf16,
-            copy_kind, predict)
+  flat = lambda a: a.reshape(-1).view(np.uint16) if a.dtype == ml_dtypes.bfloat16 else a.reshape(-1)
+  _step_kernel(grad_is_bf16, copy_kind, predict)(
+      param.reshape(-1), out.reshape(-1), flat(grad),
+      np.zeros(1, np.float32) if copy is None else flat(copy), mu.reshape(-1), nu.reshape(-1),
+      # optax takes 1 - b1 in Python's float64 and rounds it once: 0.1, not
+      # float32(1) - float32(0.9) = 0.100000024.
+      f32(grad_scale), f32(learning_rate), f32(b1), f32(b2), f32(1 - b1), f32(1 - b2),
+      f32(eps), f32(weight_decay), f32(1 - b1**count), f32(1 - b2**count))
 
 
 def writable_view(array: jax.Array) -> np.ndarray:
