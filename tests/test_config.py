@@ -62,10 +62,13 @@ def test_llama_1b_is_tinyllamas_shape():
      r"optimizer.use_distributed_optimizer=True with mesh.data=2: shard the optimizer state "
      r"with mesh.fsdp=2 instead"),
     (["logging.log_interval=-1"], r"logging.log_interval must be at least 0, got -1"),
+    (["optimizer.overlap_cpu_optimizer_d2h_h2d=True", "optimizer.optimizer_offload_update_on=host"],
+     "optimizer.overlap_cpu_optimizer_d2h_h2d=True overlaps the update with the device's work: "
+     "it needs optimizer.optimizer_offload_update_on=device, host_kernel or auto, got 'host'"),
     (["optimizer.overlap_cpu_optimizer_d2h_h2d=True",
-      "optimizer.optimizer_offload_update_on=host_kernel"],
-     "optimizer.overlap_cpu_optimizer_d2h_h2d=True overlaps the copies of state streamed through "
-     "the device: it needs optimizer.optimizer_offload_update_on=device, got 'host_kernel'"),
+      "optimizer.optimizer_offload_update_on=host_kernel", "train.micro_batch_size=4"],
+     "optimizer.overlap_cpu_optimizer_d2h_h2d=True with the host kernel: it runs one micro-batch "
+     "a step: train.micro_batch_size=4 must equal train.global_batch_size=8"),
 ])
 def test_reference_rules_refuse_with_its_wording(overrides, message):
   with pytest.raises(ConfigError, match=message):

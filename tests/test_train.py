@@ -96,9 +96,11 @@ SLOW = pytest.mark.slow
                  id="weights-and-optimizer"),
     pytest.param(["train.micro_batch_size=4"], marks=SLOW, id="accumulation"),
     pytest.param([*HOST_KERNEL, "train.micro_batch_size=4"], marks=SLOW, id="host-kernel"),
-    # A program per layer, the host updating each before the next step reads it.
-    pytest.param([*HOST_KERNEL, "optimizer.overlap_cpu_optimizer_d2h_h2d=True"],
-                 id="host-kernel-overlapped"),
+    # By default a program per layer, the host updating each before the next step reads it;
+    # or one program, the host updating after it.
+    pytest.param(HOST_KERNEL, id="host-kernel-overlapped"),
+    pytest.param([*HOST_KERNEL, "optimizer.overlap_cpu_optimizer_d2h_h2d=False"], marks=SLOW,
+                 id="host-kernel-one-program"),
     pytest.param([*HOST_KERNEL[:1], "optimizer.optimizer_offload_fraction=1.0", *HOST_KERNEL[2:],
                   "optimizer.overlap_cpu_optimizer_d2h_h2d=True",
                   "model.cpu_offloading=True", "model.cpu_offloading_num_layers=2"],

@@ -113,12 +113,13 @@ class OptimizerConfig:
     delayed_update_predict_weights: with delayed_update, the device reads the weights
       moved once more by their latest update (``2 w_t - w_(t-1)``, weight prediction
       as in PipeMare and SpecTrain); the host keeps the true weights.
-    overlap_cpu_optimizer_d2h_h2d: with optimizer_offload_update_on=device, fetch each
-      streamed piece of state while the previous one updates (double buffering, one
-      more piece of device memory). With host_kernel, run the model a program per layer
-      and apply each layer's (exact) update just before the next step's forward pass
-      reads it, while the device computes the layers before it; needs one micro-batch a
-      step and no weights offload.
+    overlap_cpu_optimizer_d2h_h2d: with optimizer_offload_update_on=device, true fetches
+      each streamed piece of state while the previous one updates (double buffering, one
+      more piece of device memory). With host_kernel, the model runs a program per layer
+      and the host applies each layer's (exact) update just before the next step's
+      forward pass reads it, while the device computes the layers before it: null (the
+      default) does so wherever it can (one micro-batch a step, no weights offload, no
+      delayed_update), true insists, false never does.
     offload_transfer_dtype: with host_kernel, the dtype in which the device reads the
       offloaded weights and sends their clipped gradients: bfloat16 halves both copies
       for the leaves the model multiplies in bfloat16 (norm scales stay float32);
@@ -168,7 +169,7 @@ class OptimizerConfig:
   delayed_update: bool = False
   delayed_update_after: int = 0
   delayed_update_predict_weights: bool = False
-  overlap_cpu_optimizer_d2h_h2d: bool = False
+  overlap_cpu_optimizer_d2h_h2d: Optional[bool] = None
   offload_transfer_dtype: str = "float32"
   accumulate_offloaded_grads_on: str = "host"
   grad_accum_dtype: Optional[str] = None

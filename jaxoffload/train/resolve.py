@@ -79,8 +79,10 @@ class Setup:
   @property
   def overlaps_host_update(self) -> bool:
     """Whether the host kernel's update overlaps the next step's forward pass, a program per
-    layer (``train.overlap``): ``optimizer.overlap_cpu_optimizer_d2h_h2d`` with it."""
-    return self.host_kernel and self.config.optimizer.overlap_cpu_optimizer_d2h_h2d
+    layer (``train.overlap``): unless ``optimizer.overlap_cpu_optimizer_d2h_h2d=False``,
+    wherever it can (``rules.host_update_overlap_blocker``)."""
+    return (self.host_kernel and self.config.optimizer.overlap_cpu_optimizer_d2h_h2d is not False
+            and rules.host_update_overlap_blocker(self.config) is None)
 
   @property
   def sums_on_host(self) -> bool:

@@ -8,7 +8,7 @@ run is set up (``jaxoffload.train.setup``).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from jaxoffload import remat
 from jaxoffload.adam import UPDATE_PLACES
@@ -207,21 +207,21 @@ def _check_optimizer(config: Config) -> None:
                       f"optimizer state alike)")
 
 
-def _check_overlapped_host_update(config: Config) -> None:
-  """The host kernel's update overlaps the next forward pass a program per layer: one
-  micro-batch a step, weights on the device, exact updates."""
+def host_update_overlap_blocker(config: Config) -> Optional[str]:
+  """Why the host kernel's update cannot overlap the next forward pass a program per layer
+  (``train.overlap``), or None where it can: it needs one micro-batch a step, weights on the
+  device and exact updates."""
   m, o, t = config.model, config.optimizer, config.train
-  overlap = "optimizer.overlap_cpu_optimizer_d2h_h2d=True with the host kernel"
   if o.delayed_update:
-    raise ConfigError(f"{overlap} overlaps an exact update with the next forward pass; "
-                      f"optimizer.delayed_update=True delays the whole update instead: set one")
+    return ("it overlaps an exact update with the next forward pass; "
+            "optimizer.delayed_update=True delays the whole update instead: set one")
   if t.micro_batch_size != t.global_batch_size:
-    raise ConfigError(f"{overlap} runs one micro-batch a step: train.micro_batch_size="
-                      f"{t.micro_batch_size} must equal train.global_batch_size="
-                      f"{t.global_batch_size}")
+    return (f"it runs one micro-batch a step: train.micro_batch_size={t.micro_batch_size} "
+            f"must equal train.global_batch_size={t.global_batch_size}")
   if m.cpu_offloading and m.cpu_offloading_weights:
-    raise ConfigError(f"{overlap} runs a program per layer; model.cpu_offloading_weights=True "
-                      f"brings weights in inside the model's scan: set one")
+    return ("it runs a program per layer; model.cpu_offloading_weights=True brings weights "
+            "in inside the model's scan: set one")
+  return None
 
 
 def _check_host_kernel(config: Config) -> None:
@@ -248,8 +248,11 @@ def _check_host_kernel(config: Config) -> None:
         f"them while the next step overwrites them; set "
         f"optimizer.accumulate_offloaded_grads_on=device, train.micro_batch_size="
         f"{t.global_batch_size} or optimizer.delayed_update=False")
-  if o.overlap_cpu_optimizer_d2h_h2d and o.optimizer_offload_update_on in ("host_kernel", "auto"):
-    _check_overlapped_host_update(config)
+  blocker = host_update_overlap_blocker(config)
+  if (o.overlap_cpu_optimizer_d2h_h2d and o.optimizer_offload_update_on == "host_kernel"
+      and blocker):
+    raise ConfigError(f"optimizer.overlap_cpu_optimizer_d2h_h2d=True with the host kernel: "
+                      f"{blocker}")
   if o.delayed_update_after < 0:
     raise ConfigError(f"optimizer.delayed_update_after must be >= 0, got {o.delayed_update_after}")
   if o.delayed_update_after and not o.delayed_update:
