@@ -57,7 +57,7 @@ def _step_kernel(grad_is_bf16: bool, copy_kind: int, predict: bool):
   compile time the loop has no branches, and vectorises."""
   _require_numba()
 
-  @numba.njit(parallel=True)
+  @numba.njit(parallel=True, cache=True)
   def step(param, out, grad, copy, mu, nu, grad_scale, lr, b1, b2, one_minus_b1, one_minus_b2,
            eps, weight_decay, bias1, bias2):
     # Element by element, as optax.adamw: moments, bias correction, decoupled
@@ -88,7 +88,7 @@ def _sum_kernel(grad_is_bf16: bool, first: bool, square_sum: bool):
   """The gradient sum compiled for one kind of gradient, start and norm (as ``_step_kernel``)."""
   _require_numba()
 
-  @numba.njit(parallel=True)
+  @numba.njit(parallel=True, cache=True)
   def accumulate(total, grad):
     # A float64 sum of squares: the norm of billions of float32 elements.
     squares = 0.0
