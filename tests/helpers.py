@@ -1,5 +1,7 @@
 """Shared test fixtures: a tree of mixed leaf sizes, gradients, and a reference training loop."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -77,3 +79,14 @@ def assert_moments_placed(adam_state):
   """Offloaded leaves' moments are in pinned_host, the others on the device."""
   for offloaded, kind in moment_kinds(adam_state):
     assert kind == ("pinned_host" if offloaded else "device")
+
+
+def relayouts(hlo: str) -> list[str]:
+  """The instructions of a compiled module's text (fused computations included) that put
+  elements in another order: transposes, and copies whose layout is not their operand's."""
+  shapes = dict(re.findall(r"%([\w.\-]+) = (\S+\[[^\]]*\](?:\{[^}]*\})?)", hlo))
+  found = re.findall(r"%[\w.\-]+ = \S+ transpose\(.*", hlo)
+  for line, out, source in re.findall(r"(%[\w.\-]+ = (\S+) copy\(%([\w.\-]+)\).*)", hlo):
+    if shapes.get(source) != out:
+      found.append(line)
+  return found

@@ -8,7 +8,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxoffload
-from tests.helpers import assert_moments_placed, max_rel_diff, mixed_params, moment_kinds, train
+from tests.helpers import (assert_moments_placed, max_rel_diff, mixed_params, moment_kinds, relayouts,
+                           train)
 
 MODES = ["host", "device"]
 
@@ -161,6 +162,13 @@ def test_sharded_state_follows_parameter_sharding(update_on, fraction):
       assert {s.data.sharding.memory_kind for s in x.addressable_shards} == {kind}
 
 
+def test_relayouts_finds_a_transpose():
+  hlo = jax.jit(lambda x: jnp.transpose(x.reshape(8, 8, 32), (2, 0, 1)) + 1).lower(
+      jnp.ones((64, 32))).compile().as_text()
+  assert relayouts(hlo)
+  assert relayouts(jax.jit(lambda x: x * 2 + 1).lower(jnp.ones((64, 32))).compile().as_text()) == []
+
+
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (the CPU backend has them in CI)")
 @pytest.mark.parametrize("overlap", [False, pytest.param(True, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("jit_init", [False, pytest.param(True, marks=pytest.mark.slow)],
@@ -185,6 +193,8 @@ def test_a_sharded_streamed_update_moves_no_state_between_devices(overlap, jit_i
   assert " while(" in hlo  # Streamed in pieces.
   for collective in ("all-gather", "all-to-all", "collective-permute", "all-reduce"):
     assert f" {collective}(" not in hlo, collective
+  # Nor between layouts: on two GPUs re-layouts of the offloaded state cost the most.
+  assert relayouts(hlo) == []
   adam = optax.scale_by_adam()
   reference = adam.init(params)
   for _ in range(2):  # The second step reuses the first's program.
