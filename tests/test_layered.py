@@ -1,7 +1,6 @@
 """The model split into layer programs: the same loss and gradients as the whole model's."""
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -58,8 +57,11 @@ def _split_grads(model, params, tokens):
   return loss, grads
 
 
-@pytest.mark.parametrize("shared", [False, True], ids=["lm-head", "shared-embedding"])
-@pytest.mark.parametrize("name", list(GROUPS))
+@pytest.mark.parametrize("shared", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["lm-head", "shared-embedding"])
+@pytest.mark.parametrize("name", ["two-groups", pytest.param("save-everything",
+                                                             marks=pytest.mark.slow),
+                                  pytest.param("activation-offload", marks=pytest.mark.slow)])
 def test_split_backward_matches_whole_model(name, shared):
   config = dataclasses.replace(CONFIG, share_embeddings_and_output_weights=shared)
   model = Llama(config, GROUPS[name])

@@ -17,7 +17,7 @@ from jax.experimental import multihost_utils
 from optax import tree_utils as otu
 
 from jaxoffload import host_offload, remat
-from jaxoffload._compat import DEVICE_KIND, PINNED_HOST
+from jaxoffload._compat import DEVICE_KIND
 from jaxoffload.host_offload import HostAdamW
 from jaxoffload.memory import compiled_device_bytes
 from jaxoffload.model import Llama
