@@ -1,6 +1,6 @@
 """A host-kernel step whose update overlaps the next step's forward pass, a layer at a time.
 
-With ``optimizer.overlap_cpu_optimizer_d2h_h2d`` and the host kernel, a step
+With the host kernel, wherever it can (``Setup.overlaps_host_update``), a step
 runs the model as a program per piece (``jaxoffload.layered``): the
 embedding, each layer and the head forward, then each layer and the
 embedding backward, then the device optimizer's update. The host kernel
@@ -199,9 +199,10 @@ class OverlappedStep:
     """The device optimizer's update, with the global norm that both parts' gradients make."""
     grads = [None] * len(device_leaves)
     for name, parts in device_grads.items():
-      # A group's layers came a program each, the last layer first.
-      leaves = parts[0] if len(parts) == 1 else [jnp.stack(layers)
-                                                 for layers in zip(*reversed(parts))]
+      if name in self.layer_groups:  # A program per layer, the last layer first.
+        leaves = [jnp.stack(layers) for layers in zip(*reversed(parts))]
+      else:
+        (leaves,) = parts
       for position, g in zip(self.device_ids.get(name, []), leaves):
         grads[position] = g
     return self.programs.apply_sums(device_leaves, opt_state, (loss, grads), sum(squares))
