@@ -5,8 +5,7 @@ numba kernel uses them all (docs/performance.md#host-adam). This module is
 that kernel: ``adamw_update`` applies one AdamW step to float32 arrays in
 place, with optax.adamw's arithmetic, using every core numba is allowed; it
 also takes bfloat16 gradients and writes a copy of the new weights (bfloat16,
-for a device that reads and sends half the bytes, or a delayed update's
-predicted weights).
+for a device that reads and sends half the bytes).
 
 It works on numpy arrays. ``writable_view`` gives one over the memory of a
 single-shard JAX array in host memory, so the kernel can update JAX's pinned
@@ -52,7 +51,7 @@ def _round_to_bfloat16(x):
 
 
 @functools.cache
-def _step_kernel(grad_is_bf16: bool, copy_kind: int, predict: bool):
+def _step_kernel(grad_is_bf16: bool, copy_kind: int):
   """The AdamW step compiled for one kind of gradient and copy: with the choices fixed at
   compile time the loop has no branches, and vectorises."""
   _require_numba()
@@ -72,13 +71,10 @@ def _step_kernel(grad_is_bf16: bool, copy_kind: int, predict: bool):
       update = (m / bias1) / (np.float32(math.sqrt(v / bias2)) + eps) + weight_decay * param[i]
       new = param[i] - lr * update
       out[i] = new
-      # The copy the device reads: the new weights, or with predict the
-      # weights one more such update ahead.
-      seen = new - lr * update if predict else new
       if copy_kind == 1:
-        copy[i] = _round_to_bfloat16(seen)
+        copy[i] = _round_to_bfloat16(new)
       elif copy_kind == 2:
-        copy[i] = seen
+        copy[i] = new
 
   return step
 
@@ -144,8 +140,7 @@ def _check_array(name: str, array: np.ndarray, dtypes: tuple, like: np.ndarray, 
 def adamw_update(param: np.ndarray, grad: np.ndarray, mu: np.ndarray, nu: np.ndarray, *,
                  learning_rate: float, count: int, b1: float = 0.9, b2: float = 0.999,
                  eps: float = 1e-8, weight_decay: float = 1e-4, grad_scale: float = 1.0,
-                 out: np.ndarray | None = None, copy: np.ndarray | None = None,
-                 predict: bool = False) -> None:
+                 out: np.ndarray | None = None, copy: np.ndarray | None = None) -> None:
   """One AdamW step on float32 arrays, in place, on every core numba may use.
 
   Args:
@@ -159,9 +154,6 @@ def adamw_update(param: np.ndarray, grad: np.ndarray, mu: np.ndarray, nu: np.nda
     out: where the new parameters go; None: into ``param``.
     copy: a bfloat16 or float32 array that also receives the new parameters
       (bfloat16 rounded to nearest even, as XLA's conversion does).
-    predict: write into ``copy`` the parameters one more such update ahead
-      (``2 * new - param``): the weight prediction of a delayed update, whose
-      next gradient is taken before this update reaches the device.
 
   Raises:
     ValueError: naming the array that is of a wrong dtype, not contiguous or
@@ -178,13 +170,11 @@ def adamw_update(param: np.ndarray, grad: np.ndarray, mu: np.ndarray, nu: np.nda
       _check_array(name, array, allowed.get(name, (np.float32,)), param, "param")
   if count < 1:
     raise ValueError(f"count must be at least 1 (the first step is 1), got {count}")
-  if predict and copy is None:
-    raise ValueError("predict=True writes the predicted parameters into copy; pass a copy")
   f32 = np.float32
   grad_is_bf16 = grad.dtype == ml_dtypes.bfloat16
   copy_kind = 0 if copy is None else 1 if copy.dtype == ml_dtypes.bfloat16 else 2
   flat = lambda a: a.reshape(-1).view(np.uint16) if a.dtype == ml_dtypes.bfloat16 else a.reshape(-1)
-  _step_kernel(grad_is_bf16, copy_kind, predict)(
+  _step_kernel(grad_is_bf16, copy_kind)(
       param.reshape(-1), out.reshape(-1), flat(grad),
       np.zeros(1, np.float32) if copy is None else flat(copy), mu.reshape(-1), nu.reshape(-1),
       # optax takes 1 - b1 in Python's float64 and rounds it once: 0.1, not

@@ -6,14 +6,6 @@ moments in host memory only the host touches, and ``HostAdamW`` applies each
 step's gradients with the multi-threaded ``host_adam`` kernel. Only the
 gradients come down and the weights go up.
 
-``delayed=True`` (ZeRO-Offload's one-step delayed update) applies step t's
-gradients while the device computes step t + 1, whose gradients are then taken
-at weights that lack step t's update; the weights alternate between two
-buffers. ``delay_after`` keeps the first updates exact, where gradients change
-fastest. ``predict_weights`` (weight prediction, as in PipeMare and SpecTrain)
-lets the device read ``2 * w_t - w_(t-1)`` instead, standing in for the update
-still pending; the host keeps the true weights.
-
 With ``device_dtypes`` bfloat16 for a leaf, the device reads a bfloat16 copy of
 its weights that the kernel writes beside the float32 ones, and sends its
 gradient in bfloat16: half the bytes each way. A model that multiplies in
@@ -50,17 +42,16 @@ Piece = tuple[int, Optional[int]]
 
 # Learning rates come from a table of this many updates, filled ahead: a JAX
 # schedule evaluated at each update would queue behind the device step in
-# flight, and the delayed update would wait for that step to finish.
+# flight, and ``hold`` would wait for that step to finish.
 _SCHEDULE_TABLE = 1024
 
 
-def host_bytes_per_element(device_dtype: Any = jnp.float32, *, delayed: bool = False,
-                           predict_weights: bool = False, summed: bool = False
+def host_bytes_per_element(device_dtype: Any = jnp.float32, *, summed: bool = False
                            ) -> tuple[int, int]:
   """The host bytes ``HostAdamW`` holds per element of a leaf, before it allocates them.
 
   Args:
-    device_dtype, delayed, predict_weights: as ``HostAdamW``'s, for the leaf.
+    device_dtype: as ``HostAdamW``'s ``device_dtypes``, for the leaf.
     summed: whether ``accumulate`` sums micro-batches' gradients.
 
   Returns:
@@ -70,32 +61,8 @@ def host_bytes_per_element(device_dtype: Any = jnp.float32, *, delayed: bool = F
   Example:
     >>> pinned, unpinned = host_bytes_per_element(jnp.bfloat16)  # (6, 8)
   """
-  device_dtype = jnp.dtype(device_dtype)
-  buffers = 2 if delayed else 1  # As _place keeps them.
-  unpinned = 8 + (4 if summed else 0)
-  if device_dtype == jnp.bfloat16 or predict_weights:
-    return 4 + buffers * device_dtype.itemsize, unpinned
-  return 4 * buffers, unpinned
-
-
-def checkpoint_target(weights: Sequence[Any], device_dtypes: Sequence[Any], *,
-                      delayed: bool = False, predict_weights: bool = False) -> dict:
-  """What ``HostAdamW.checkpoint`` returns, as shapes and placements (orbax's restore target),
-  before any ``HostAdamW`` exists.
-
-  Args:
-    weights: the leaves' float32 weights, or ``jax.ShapeDtypeStruct``s placed like them.
-    device_dtypes, delayed, predict_weights: as ``HostAdamW``'s.
-  """
-  like = lambda p, dtype=jnp.float32: jax.ShapeDtypeStruct(p.shape, dtype, sharding=p.sharding)
-  state = {"count": np.array(0, np.int64), "params": [like(p) for p in weights],
-           "mu": [like(p) for p in weights], "nu": [like(p) for p in weights]}
-  if predict_weights:
-    state["device_params"] = [like(p, d) for p, d in zip(weights, device_dtypes)]
-  if delayed:
-    state["held_grads"] = [like(p, d) for p, d in zip(weights, device_dtypes)]
-    state["held_scale"] = jax.ShapeDtypeStruct((), jnp.float32)
-  return state
+  copy = 2 if jnp.dtype(device_dtype) == jnp.bfloat16 else 0  # As _place keeps them.
+  return 4 + copy, 8 + (4 if summed else 0)
 
 
 class HostAdamW:
@@ -107,14 +74,6 @@ class HostAdamW:
     learning_rate: a float, or ``schedule(count) -> float`` with optax's
       convention (count 0 for the first update).
     b1, b2, eps, weight_decay: as ``optax.adamw``.
-    delayed: apply each call's gradients one call later, so that the host's
-      work overlaps the next device step (see the module's docstring).
-    delay_after: with ``delayed``, how many updates are applied exactly
-      (at once) before the delay begins.
-    predict_weights: with ``delayed``, the device reads the weights
-      extrapolated by their latest update (see the module's docstring). Leaves
-      the device reads in float32 then take one more float32 copy of pinned
-      memory; bfloat16 ones have their copies already.
     device_dtypes: per leaf, the dtype the device reads its weights in and
       sends its gradient in: float32 (the default) or bfloat16 (see the
       module's docstring).
@@ -126,13 +85,7 @@ class HostAdamW:
 
   def __init__(self, params: Sequence[jax.Array], *, learning_rate: Schedule,
                b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-4,
-               delayed: bool = False, delay_after: int = 0, predict_weights: bool = False,
                device_dtypes: Optional[Sequence] = None):
-    if not isinstance(delay_after, int) or delay_after < 0:
-      raise ValueError(f"delay_after must be an int >= 0, got {delay_after!r}")
-    if predict_weights and not delayed:
-      raise ValueError("predict_weights=True predicts the update a delayed step lacks; "
-                       "it needs delayed=True")
     device_dtypes = [jnp.float32] * len(params) if device_dtypes is None else device_dtypes
     if len(device_dtypes) != len(params):
       raise ValueError(f"device_dtypes has {len(device_dtypes)} entries for {len(params)} leaves")
@@ -147,14 +100,10 @@ class HostAdamW:
     self._schedule = learning_rate if callable(learning_rate) else (lambda _: learning_rate)
     self._rates_start, self._rates = 0, self._schedule_table(0)
     self._hyper = dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
-    self.delayed = delayed
-    self.delay_after = delay_after
-    self.predict_weights = predict_weights
     self._place(params)
     # Only the host reads the moments: plain host memory, outside XLA's pinned pool.
-    self._mu = [[np.zeros_like(v) for v in views[0]] for views in self._weight_views]
-    self._nu = [[np.zeros_like(v) for v in views[0]] for views in self._weight_views]
-    self._held: Optional[tuple[Sequence[jax.Array], jax.Array]] = None
+    self._mu = [[np.zeros_like(v) for v in views] for views in self._weight_views]
+    self._nu = [[np.zeros_like(v) for v in views] for views in self._weight_views]
     # hold()'s gradients by piece not yet applied, their scale and learning rate.
     self._pieces: Optional[tuple[dict, Any, float]] = None
     # Per leaf and shard, the float32 sums of accumulate(); _summed: they hold this step's.
@@ -163,11 +112,8 @@ class HostAdamW:
     self.count = 0  # Updates applied.
 
   def _place(self, weights: Sequence[jax.Array]) -> None:
-    """Takes ``weights`` (arrays no one else holds) as the float32 weights, with their copies."""
-    buffers = 2 if self.delayed else 1  # What the device reads: one read, one written.
-    # Per leaf: its float32 weights (two when the device reads them and updates
-    # are delayed, else updated in place) and the copies the device reads
-    # instead, if any (bfloat16, or predicted weights).
+    """Takes ``weights`` (arrays no one else holds) as the float32 weights, updated in place,
+    with the bfloat16 copies the device reads instead (None for a leaf read in float32)."""
     self._weights, self._copies = [], []
     for w, dtype in zip(weights, self._device_dtypes):
       if len({shard.data.unsafe_buffer_pointer() for shard in w.addressable_shards}) < len(
@@ -175,25 +121,17 @@ class HostAdamW:
         # Replicas sharing one buffer (jax.device_put of numpy on the CPU backend): the
         # kernel would update it once per shard.
         w = host_arrays.copy(w)
-      if dtype == jnp.bfloat16 or self.predict_weights:
-        self._weights.append([w])
-        self._copies.append([host_arrays.copy(w, dtype) for _ in range(buffers)])
-      else:
-        self._weights.append([w] + [host_arrays.copy(w) for _ in range(buffers - 1)])
-        self._copies.append([])
+      self._weights.append(w)
+      self._copies.append(host_arrays.copy(w, dtype) if dtype == jnp.bfloat16 else None)
     jax.block_until_ready((self._weights, self._copies))
-    self._weight_views = [[host_arrays.shard_views(w) for w in leaf] for leaf in self._weights]
-    self._copy_views = [[host_arrays.shard_views(c) for c in leaf] for leaf in self._copies]
-    self._current = 0
+    self._weight_views = [host_arrays.shard_views(w) for w in self._weights]
+    self._copy_views = [None if c is None else host_arrays.shard_views(c) for c in self._copies]
 
   def __str__(self) -> str:
     elements = sum(p.size for p in self.weights)
     halved = sum(d == jnp.bfloat16 for d in self._device_dtypes)
     return (f"host kernel: {len(self.weights)} leaves ({elements:,} parameter elements) with "
-            f"their weights and Adam moments in host memory, {host_adam.max_threads()} threads, "
-            + (f"updates one step delayed after {self.delay_after} exact ones"
-               if self.delayed else "exact updates")
-            + (", the device reading predicted weights" if self.predict_weights else "")
+            f"their weights and Adam moments in host memory, {host_adam.max_threads()} threads"
             + (f", {halved} leaves sent in bfloat16" if halved else ""))
 
   @property
@@ -215,27 +153,26 @@ class HostAdamW:
   @property
   def pinned_bytes(self) -> int:
     """Pinned host memory of the weights and the copies the device reads, every shard's."""
-    return sum(shard.data.nbytes for leaf in self._weights + self._copies for a in leaf
+    return sum(shard.data.nbytes for a in self._weights + self._copies if a is not None
                for shard in a.addressable_shards)
 
   @property
   def params(self) -> list[jax.Array]:
     """The weights the next device step must read, in each leaf's device dtype."""
-    return [copies[self._current] if copies else weights[self._current]
-            for weights, copies in zip(self._weights, self._copies)]
+    return [w if c is None else c for w, c in zip(self._weights, self._copies)]
 
   @property
   def weights(self) -> list[jax.Array]:
     """The float32 weights with every update applied so far."""
-    return [leaf[self._current % len(leaf)] for leaf in self._weights]
+    return list(self._weights)
 
   def update(self, grads: Sequence[jax.Array], grad_scale: Union[float, jax.Array] = 1.0
              ) -> None:
-    """Applies ``grads`` (one per leaf, in host memory), or with ``delayed`` the previous call's.
+    """Applies ``grads`` (one per leaf, in host memory).
 
     Call it right after dispatching the device step that produced ``grads``:
-    it waits for what it applies. ``grad_scale`` multiplies the gradients
-    first (global-norm clipping's factor, computed on the device). After
+    it waits for them. ``grad_scale`` multiplies the gradients first
+    (global-norm clipping's factor, computed on the device). After
     ``accumulate``, it applies the sums instead: pass ``grads=()``, and a
     ``grad_scale`` that also divides by the number of micro-batches.
     """
@@ -244,18 +181,8 @@ class HostAdamW:
       if grads:
         raise ValueError("update after accumulate applies the sums: pass no gradients")
       self._summed = False
-      self._apply(self._sums, grad_scale, into=self._current)
-      return
-    if not self.delayed or (self._held is None and self.count < self.delay_after):
-      # Exact: the step that read the current weights has finished (its
-      # gradients are waited for), and the next is not yet dispatched.
-      self._apply(grads, grad_scale, into=self._current)
-      return
-    held, self._held = self._held, (grads, grad_scale)
-    if held is not None:
-      # The other buffer was last read by the step before the one just
-      # dispatched, which finished before its gradients (waited for in _apply).
-      self._apply(*held, into=1 - self._current, predict=self.predict_weights)
+      grads = self._sums
+    self._apply(grads, grad_scale)
 
   def accumulate(self, grads: Sequence[jax.Array], *, square_sum: bool = False) -> float:
     """Adds one micro-batch's ``grads`` (one per leaf, in host memory) into float32 sums that
@@ -272,17 +199,10 @@ class HostAdamW:
 
     Returns:
       That sum of squares (float64), or 0.0 without ``square_sum``.
-
-    Raises:
-      ValueError: with ``delayed``, whose held gradients the next sums would overwrite.
     """
-    if self.delayed:
-      raise ValueError("accumulate keeps one step's sums; a delayed update would hold them "
-                       "while the next step overwrites them: use delayed=False")
     jax.block_until_ready(grads)
     if self._sums is None:  # Pages are taken as the first sums fill them.
-      self._sums = [[np.empty(v.shape, np.float32) for v in views[0]]
-                    for views in self._weight_views]
+      self._sums = [[np.empty(v.shape, np.float32) for v in views] for views in self._weight_views]
     squares = 0.0
     for sums, grad in zip(self._sums, grads):
       first_replicas = [shard.replica_id == 0 for shard in host_arrays.sorted_shards(grad)]
@@ -307,13 +227,7 @@ class HostAdamW:
     Args:
       grads: per piece, its gradient in host memory; together they cover every leaf once.
       grad_scale: as ``update``'s.
-
-    Raises:
-      ValueError: with ``delayed``, which holds gradients its own way.
     """
-    if self.delayed:
-      raise ValueError("hold spreads an exact update over the next step; delayed=True "
-                       "holds whole steps: use update")
     self.apply_held()
     self.count += 1
     self._pieces = (dict(grads), grad_scale, self._learning_rate(self.count - 1))
@@ -333,26 +247,20 @@ class HostAdamW:
       grad = grads.pop(piece, None)
       if grad is not None:
         jax.block_until_ready((grad, scale))
-        self._apply_piece(piece, grad, host_arrays.read_scalar(scale), learning_rate,
-                          into=self._current)
+        self._apply_piece(piece, grad, host_arrays.read_scalar(scale), learning_rate)
     if not grads:
       self._pieces = None
 
   def finish(self) -> None:
     """Applies the held gradients, if any, so that ``params`` has every update."""
     self.apply_held()
-    if self._held is not None:
-      held, self._held = self._held, None
-      self._apply(*held, into=1 - self._current)
 
   def checkpoint(self, *, copy: bool = True) -> dict:
     """The host state as JAX arrays in host memory, for orbax to save.
 
     The float32 weights keep their shardings; the moments are whole arrays on the
     CPU backend (placed like the weights where this process holds only some of a
-    leaf's shards). With ``delayed`` the gradients still waiting to be applied are
-    part of the state (call it after ``update``, before ``finish``), so that a
-    resumed run continues exactly.
+    leaf's shards).
 
     Args:
       copy: weights in new arrays that later updates leave alone. With False, the live
@@ -363,20 +271,16 @@ class HostAdamW:
     # rewrites these float32 weights in place, ordered after no device work.
     arrays = ((lambda xs: jax.block_until_ready([host_arrays.copy(x) for x in xs])) if copy
               else list)
-    state = {"count": np.array(self.count, np.int64), "params": arrays(self.weights),
-             # Predicted weights cannot be made again from the weights.
-             **({"device_params": arrays(self.params)} if self.predict_weights else {}),
-             **{name: [host_arrays.whole_copy(shards, p) for shards, p in zip(moments,
-                                                                              self.weights)]
-                for name, moments in (("mu", self._mu), ("nu", self._nu))}}
-    if self._held is not None:
-      state["held_grads"], state["held_scale"] = list(self._held[0]), jnp.asarray(self._held[1])
-    return state
+    return {"count": np.array(self.count, np.int64), "params": arrays(self.weights),
+            **{name: [host_arrays.whole_copy(shards, p) for shards, p in zip(moments,
+                                                                             self.weights)]
+               for name, moments in (("mu", self._mu), ("nu", self._nu))}}
 
   def checkpoint_target(self) -> dict:
     """What ``checkpoint`` returns, as shapes and placements: orbax's restore target."""
-    return checkpoint_target(self.weights, self._device_dtypes, delayed=self.delayed,
-                             predict_weights=self.predict_weights)
+    like = lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=p.sharding)
+    return {"count": np.array(0, np.int64),
+            **{name: [like(p) for p in self.weights] for name in ("params", "mu", "nu")}}
 
   def load(self, state: dict) -> None:
     """Continues from a state ``checkpoint`` made (restored into ``checkpoint_target``)."""
@@ -385,25 +289,19 @@ class HostAdamW:
     self.load_moments(state)
 
   def load_moments(self, state: dict) -> None:
-    """Continues from a checkpoint's moments, update count and held gradients, keeping the
-    weights it holds.
+    """Continues from a checkpoint's moments and update count, keeping the weights it holds.
 
     Args:
       state: ``checkpoint``'s items but ``params``. ``mu`` and ``nu`` may be any
         iterables of whole leaves (JAX or numpy arrays, float32), read one at a time:
         a generator that reads each from disk holds one leaf in memory at once.
     """
-    saved_views = [(state["mu"], self._mu), (state["nu"], self._nu)]
-    if "device_params" in state:
-      saved_views.append((state["device_params"], [c[0] for c in self._copy_views]))
-    for saved, views in saved_views:
+    for saved, views in ((state["mu"], self._mu), (state["nu"], self._nu)):
       for values, shards, like in zip(saved, views, self.weights):
         for shard, part in zip(shards, host_arrays.shard_values(values, like)):
           shard[...] = part
     self.count = int(state["count"])
     self._rates_start, self._rates = self.count, self._schedule_table(self.count)
-    self._held = ((list(state["held_grads"]), state["held_scale"])
-                  if "held_grads" in state else None)
 
   def snapshot(self) -> list[np.ndarray]:
     """Copies of the current float32 weights as numpy arrays (for checks and checkpoints)."""
@@ -426,30 +324,26 @@ class HostAdamW:
       self._rates = self._schedule_table(count)
     return float(self._rates[count - self._rates_start])
 
-  def _apply(self, grads: Sequence[jax.Array], grad_scale, into: int,
-             predict: bool = False) -> None:
-    """Applies ``grads`` to the current weights, writing the buffers the device reads as ``into``
-    (with ``predict``, the weights one more such update ahead)."""
+  def _apply(self, grads: Sequence[jax.Array], grad_scale) -> None:
+    """Applies ``grads`` to the weights in place, once they are ready: the step that read the
+    weights has then finished, and the next is not yet dispatched."""
     jax.block_until_ready((grads, grad_scale))
     scale = host_arrays.read_scalar(grad_scale)
     self.count += 1
     learning_rate = self._learning_rate(self.count - 1)
     for leaf, grad in enumerate(grads):
-      self._apply_piece((leaf, None), grad, scale, learning_rate, into, predict)
-    self._current = into
+      self._apply_piece((leaf, None), grad, scale, learning_rate)
 
   def _apply_piece(self, piece: Piece, grad: Union[jax.Array, list], scale: float,
-                   learning_rate: float, into: int, predict: bool = False) -> None:
+                   learning_rate: float) -> None:
     """Applies a leaf's gradient, or one layer's of a stacked leaf (``piece``)."""
     leaf, layer = piece
     weights, copies = self._weight_views[leaf], self._copy_views[leaf]
-    source, target = weights[self._current % len(weights)], weights[into % len(weights)]
     part = (lambda views: views) if layer is None else (lambda views: views[layer])
     # A leaf's gradient: an array in host memory, or a sum's shards.
     views = grad if isinstance(grad, list) else host_arrays.shard_views(grad)
     for shard, grad_view in enumerate(views):
-      host_adam.adamw_update(part(source[shard]), grad_view, part(self._mu[leaf][shard]),
+      host_adam.adamw_update(part(weights[shard]), grad_view, part(self._mu[leaf][shard]),
                              part(self._nu[leaf][shard]), learning_rate=learning_rate,
-                             count=self.count, grad_scale=scale, out=part(target[shard]),
-                             copy=part(copies[into][shard]) if copies else None,
-                             predict=predict, **self._hyper)
+                             count=self.count, grad_scale=scale,
+                             copy=None if copies is None else part(copies[shard]), **self._hyper)

@@ -1,4 +1,4 @@
-"""HostAdamW: exact host updates equal optax's; delayed ones equal the one-step-stale reference."""
+"""HostAdamW: host updates equal optax's, whole, by piece, summed, sharded and resumed."""
 
 import jax
 import jax.numpy as jnp
@@ -42,34 +42,24 @@ def device_step(host_weights, batch):
   return [to_host(g) for g in grads], scale
 
 
-def optax_reference(weights, batches, *, delay, delay_after=0, device_dtypes=None,
-                    predict=False):
-  """optax's clipped AdamW; gradients taken ``delay`` updates late once ``delay_after``
-  updates are applied, at the weights cast to ``device_dtypes``; with ``predict``, at
-  ``2 * w[t - 1] - w[t - 2]`` once the update that made w[t - 1] was itself a delayed one."""
+def optax_reference(weights, batches, *, device_dtypes=None):
+  """optax's clipped AdamW, its gradients taken at the weights cast to ``device_dtypes``."""
   opt = optax.chain(optax.clip_by_global_norm(CLIP), optax.adamw(schedule, **HYPER))
-  state, history = opt.init(weights), [weights]
+  state = opt.init(weights)
   cast = lambda ws: [w.astype(d) for w, d in zip(ws, device_dtypes or [jnp.float32] * len(ws))]
-  for t, batch in enumerate(batches):
-    late = delay if t > delay_after else 0
-    point = history[max(t - late, 0)]
-    if predict and t >= delay_after + 2:
-      point = [2 * a - b for a, b in zip(history[t - 1], history[t - 2])]
-    grads = jax.grad(loss_fn)(cast(point), batch)
-    grads = [g.astype(jnp.float32) for g in grads]
-    updates, state = opt.update(grads, state, history[-1])
-    history.append(optax.apply_updates(history[-1], updates))
-  return history[-1]
+  for batch in batches:
+    grads = [g.astype(jnp.float32) for g in jax.grad(loss_fn)(cast(weights), batch)]
+    updates, state = opt.update(grads, state, weights)
+    weights = optax.apply_updates(weights, updates)
+  return weights
 
 
-def host_run(weights, batches, *, delayed, delay_after=0, shardings=None, device_dtypes=None,
-             predict_weights=False):
+def host_run(weights, batches, *, shardings=None, device_dtypes=None):
   one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   shardings = shardings or [one_device] * len(weights)
   host = HostAdamW([jax.device_put(np.array(w), s.with_memory_kind("pinned_host"))
                     for w, s in zip(weights, shardings)],
-                   learning_rate=schedule, delayed=delayed, delay_after=delay_after,
-                   predict_weights=predict_weights, device_dtypes=device_dtypes, **HYPER)
+                   learning_rate=schedule, device_dtypes=device_dtypes, **HYPER)
   for batch in batches:
     grads, scale = device_step(host.params, batch)
     host.update(grads, scale)
@@ -80,12 +70,9 @@ def host_run(weights, batches, *, delayed, delay_after=0, shardings=None, device
   return host.snapshot()
 
 
-@pytest.mark.parametrize("delayed", [False, True], ids=["exact", "delayed"])
-def test_host_updates_equal_optax(delayed):
+def test_host_updates_equal_optax():
   weights, batches = problem()
-  want = optax_reference(weights, batches, delay=1 if delayed else 0)
-  got = host_run(weights, batches, delayed=delayed)
-  assert max_rel_diff(got, want) <= 1e-6
+  assert max_rel_diff(host_run(weights, batches), optax_reference(weights, batches)) <= 1e-6
 
 
 @jax.jit
@@ -113,67 +100,21 @@ def test_held_pieces_update_as_the_whole_step_does():
     rng.shuffle(order)
     host.apply_held(order[:5])
   host.finish()
-  whole = host_run(weights, batches, delayed=False)
+  whole = host_run(weights, batches)
   assert all(np.array_equal(a, b) for a, b in zip(host.snapshot(), whole))
-  assert max_rel_diff(whole, optax_reference(weights, batches, delay=0)) <= 1e-6
+  assert max_rel_diff(whole, optax_reference(weights, batches)) <= 1e-6
 
 
-def test_held_pieces_need_an_exact_update():
-  weights, _ = problem()
-  pinned = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
-  host = HostAdamW([jax.device_put(np.array(w), pinned) for w in weights],
-                   learning_rate=schedule, delayed=True, **HYPER)
-  with pytest.raises(ValueError, match="delayed=True holds whole steps"):
-    host.hold({}, 1.0)
-
-
-def test_delay_begins_after_the_exact_updates_asked_for():
-  weights, batches = problem()
-  got = host_run(weights, batches, delayed=True, delay_after=3)
-  assert max_rel_diff(got, optax_reference(weights, batches, delay=1, delay_after=3)) <= 1e-6
-  # Neither the exact run nor one delayed from the start.
-  assert max_rel_diff(got, optax_reference(weights, batches, delay=0)) > 1e-4
-  assert max_rel_diff(got, optax_reference(weights, batches, delay=1)) > 1e-4
-
-
-@pytest.mark.parametrize("delay_after", [0, 2])
-@pytest.mark.parametrize("device_dtypes", [None, [jnp.bfloat16, jnp.float32]],
-                         ids=["float32", "bfloat16"])
-def test_predicted_weights_equal_the_extrapolated_reference(delay_after, device_dtypes):
-  weights, batches = problem()
-  got = host_run(weights, batches, delayed=True, delay_after=delay_after,
-                 device_dtypes=device_dtypes, predict_weights=True)
-  want = optax_reference(weights, batches, delay=1, delay_after=delay_after,
-                         device_dtypes=device_dtypes, predict=True)
-  assert max_rel_diff(got, want) <= 1e-5
-  # Not the plain delayed update: the prediction changes the gradients.
-  plain = optax_reference(weights, batches, delay=1, delay_after=delay_after,
-                          device_dtypes=device_dtypes)
-  assert max_rel_diff(got, plain) > 1e-4
-
-
-def test_predicted_weights_need_a_delayed_update():
-  with pytest.raises(ValueError, match="predict_weights=True .* needs delayed=True"):
-    HostAdamW([to_host(jnp.ones(4))], learning_rate=1e-3, predict_weights=True)
-
-
-@pytest.mark.parametrize("delay_after", [-1, 1.5])
-def test_a_bad_delay_after_is_refused(delay_after):
-  with pytest.raises(ValueError, match=f"delay_after must be an int >= 0, got {delay_after}"):
-    HostAdamW([to_host(jnp.ones(4))], learning_rate=1e-3, delayed=True, delay_after=delay_after)
-
-
-@pytest.mark.parametrize("delayed", [False, True], ids=["exact", "delayed"])
-def test_bfloat16_on_the_wire_equals_optax_at_bfloat16_weights(delayed):
+def test_bfloat16_on_the_wire_equals_optax_at_bfloat16_weights():
   # The device reads leaf 0 rounded to bfloat16 and sends its gradient in
   # bfloat16; the host's float32 weights take optax's update of that gradient.
   weights, batches = problem()
   dtypes = [jnp.bfloat16, jnp.float32]
-  want = optax_reference(weights, batches, delay=int(delayed), device_dtypes=dtypes)
-  got = host_run(weights, batches, delayed=delayed, device_dtypes=dtypes)
+  want = optax_reference(weights, batches, device_dtypes=dtypes)
+  got = host_run(weights, batches, device_dtypes=dtypes)
   assert max_rel_diff(got, want) <= 1e-6
   # Not the float32 run: the rounding shows, so the check above has teeth.
-  assert max_rel_diff(got, host_run(weights, batches, delayed=delayed)) > 1e-4
+  assert max_rel_diff(got, host_run(weights, batches)) > 1e-4
 
 
 def test_other_device_dtypes_are_refused():
@@ -183,21 +124,14 @@ def test_other_device_dtypes_are_refused():
 
 
 @pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (the CPU backend has 8 in CI)")
-@pytest.mark.parametrize("delayed", [False, True], ids=["exact", "delayed"])
-def test_sharded_and_replicated_weights_update_shard_by_shard(delayed):
+def test_sharded_and_replicated_weights_update_shard_by_shard():
   # On the CPU backend the replicas of a device_put numpy array share one buffer.
   weights, batches = problem()
   mesh = jax.make_mesh((4,), ("x",), devices=jax.devices()[:4])
   shardings = [jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x", None)),
                jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())]
-  got = host_run(weights, batches, delayed=delayed, shardings=shardings)
-  assert max_rel_diff(got, optax_reference(weights, batches, delay=int(delayed))) <= 1e-6
-
-
-def test_delayed_updates_differ_from_exact_ones():
-  weights, batches = problem()
-  exact, delayed = (host_run(weights, batches, delayed=d) for d in (False, True))
-  assert max(np.max(np.abs(e - d)) for e, d in zip(exact, delayed)) > 1e-3
+  got = host_run(weights, batches, shardings=shardings)
+  assert max_rel_diff(got, optax_reference(weights, batches)) <= 1e-6
 
 
 def test_non_float32_weights_are_refused():
@@ -206,18 +140,15 @@ def test_non_float32_weights_are_refused():
 
 
 @pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (the CPU backend has 8 in CI)")
-@pytest.mark.parametrize("delayed, delay_after, device_dtypes, predict", [
-    (False, 0, None, False), (True, 0, None, False), (True, 0, [jnp.bfloat16, jnp.float32], False),
-    (True, 3, None, False), (True, 0, [jnp.bfloat16, jnp.float32], True)],
-    ids=["exact", "delayed", "delayed-bfloat16", "delayed-after-3", "predicted-bfloat16"])
-def test_a_loaded_checkpoint_continues_exactly(delayed, delay_after, device_dtypes, predict):
+@pytest.mark.parametrize("device_dtypes", [None, [jnp.bfloat16, jnp.float32]],
+                         ids=["float32", "bfloat16"])
+def test_a_loaded_checkpoint_continues_exactly(device_dtypes):
   weights, batches = problem()
   mesh = jax.make_mesh((4,), ("x",), devices=jax.devices()[:4])
   pinned = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x", None),
                                       memory_kind="pinned_host")
   make = lambda: HostAdamW([jax.device_put(np.array(w), pinned) for w in weights],
-                           learning_rate=schedule, delayed=delayed, delay_after=delay_after,
-                           predict_weights=predict, device_dtypes=device_dtypes, **HYPER)
+                           learning_rate=schedule, device_dtypes=device_dtypes, **HYPER)
 
   def steps(host, batches):
     for batch in batches:
@@ -228,9 +159,10 @@ def test_a_loaded_checkpoint_continues_exactly(delayed, delay_after, device_dtyp
   steps(resumed, batches[:3])
   saved = resumed.checkpoint()
   steps(resumed, batches[3:4])  # Moves on after the save, as a run does.
+  shapes = lambda state: jax.tree.map(lambda x: (x.shape, x.dtype), state)
+  assert shapes(resumed.checkpoint_target()) == shapes(saved)
   resumed.load(saved)
-  # A delayed update still holds step 3's; saved after 3 exact ones, none is held.
-  assert resumed.count == (2 if delayed and delay_after < 3 else 3)
+  assert resumed.count == 3
   steps(resumed, batches[3:])
   whole.finish()
   resumed.finish()
@@ -246,8 +178,7 @@ def test_the_schedule_is_evaluated_once_per_table_not_at_each_update():
     return 1e-3 * (1 + count)
 
   weights, batches = problem()
-  host = HostAdamW([to_host(jnp.asarray(w)) for w in weights], learning_rate=schedule,
-                   delayed=True, **HYPER)
+  host = HostAdamW([to_host(jnp.asarray(w)) for w in weights], learning_rate=schedule, **HYPER)
   for batch in batches:
     host.update(*device_step(host.params, batch))
   host.finish()
@@ -292,12 +223,6 @@ def test_summed_micro_batches_update_as_their_sum_does():
   with pytest.raises(ValueError, match="update after accumulate applies the sums"):
     summed.accumulate(micro[0])
     summed.update(micro[0])
-
-
-def test_a_delayed_update_refuses_to_sum():
-  host = HostAdamW([to_host(jnp.zeros(4))], learning_rate=1e-3, delayed=True)
-  with pytest.raises(ValueError, match="accumulate keeps one step's sums; a delayed update"):
-    host.accumulate([to_host(jnp.zeros(4))])
 
 
 def test_host_array_copies_compile_once_per_dtype_and_shape():

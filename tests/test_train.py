@@ -184,8 +184,8 @@ def test_bfloat16_gradient_sums_halve_their_memory_and_track_float32(overrides):
                  marks=SLOW, id="host-sums"),
     pytest.param(["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5",
                   "optimizer.optimizer_offload_update_on=host_kernel", "train.micro_batch_size=4",
-                  "optimizer.accumulate_offloaded_grads_on=device", "optimizer.delayed_update=True"],
-                 marks=SLOW, id="delayed-device-sums")])
+                  "optimizer.accumulate_offloaded_grads_on=device"],
+                 marks=SLOW, id="device-sums")])
 def test_train_step_compiles_once(overrides):
   setup = resolve(load_config(None, overrides))
   trainer = Trainer(setup)
@@ -255,17 +255,6 @@ def test_cuda_graphs_turn_on_xla_command_buffers_for_the_run():
 
 
 @pytest.mark.slow
-def test_delayed_host_updates_train_one_step_behind(baseline_losses):
-  host_kernel = [*HOST_KERNEL[:1], "optimizer.optimizer_offload_fraction=1.0", *HOST_KERNEL[2:],
-                 f"train.train_iters={STEPS}"]
-  delayed = train(load_config(None, host_kernel + ["optimizer.delayed_update=True"]), log=QUIET)
-  # The warm-up's first learning rate is 0, so steps 1 and 2 see the initial
-  # weights in both runs; from step 3 the delayed run is one update behind.
-  assert delayed[:2] == baseline_losses[:2] and delayed[2] != baseline_losses[2]
-  assert delayed[-1] < delayed[0] and abs(delayed[-1] - baseline_losses[-1]) < 0.05 * delayed[0]
-
-
-@pytest.mark.slow
 def test_bfloat16_transfers_change_no_loss_and_keep_norm_scales_float32():
   # With one micro-batch the model rounds those weights to bfloat16 itself and
   # their gradients come out of bfloat16 matmuls: halving the copies changes no number.
@@ -301,19 +290,14 @@ def test_host_kernel_step_leaves_what_the_host_reads_in_host_memory():
 
 @pytest.mark.slow
 def test_offloaded_state_counts_the_host_kernels_weights_and_moments_once():
-  # Its second weight buffer (delayed updates) is pinned memory, not state the
-  # device would otherwise hold: the predicted saving leaves it out.
   config = load_config(None, ["train.train_iters=2", *HOST_KERNEL[:1],
-                              "optimizer.optimizer_offload_fraction=1.0", *HOST_KERNEL[2:],
-                              "optimizer.delayed_update=True"])
+                              "optimizer.optimizer_offload_fraction=1.0", *HOST_KERNEL[2:]])
   result = run(config, log=QUIET)
   weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(result.setup.param_shapes))
   assert result.offloaded_state_bytes == 3 * weight_bytes
 
 
 SHARDED = "warning: optimizer offload streamed through the device on a mesh with fsdp="
-DELAYED = ("warning: optimizer.delayed_update=True takes each gradient one update late after "
-           "the first 0 updates")
 
 
 @pytest.mark.parametrize("overrides, backend, warned", [
@@ -324,11 +308,9 @@ DELAYED = ("warning: optimizer.delayed_update=True takes each gradient one updat
     (["mesh.fsdp=2", "optimizer.optimizer_offload_update_on=host"], "gpu", []),
     (["optimizer.overlap_cpu_optimizer_d2h_h2d=True"], "gpu", []),
     (["optimizer.overlap_cpu_optimizer_d2h_h2d=True", "mesh.fsdp=2"], "gpu", [SHARDED]),
-    ([*HOST_KERNEL, "optimizer.delayed_update=True"], "cpu", [DELAYED]),
-    ([*HOST_KERNEL, "optimizer.delayed_update=True"], "gpu", [DELAYED]),
     (HOST_KERNEL, "gpu", []),
 ])
-def test_combinations_that_train_worse_or_slower_are_warned_about(overrides, backend, warned):
+def test_combinations_that_run_slower_are_warned_about(overrides, backend, warned):
   config = load_config(None, ["optimizer.optimizer_cpu_offload=True",
                               "optimizer.optimizer_offload_fraction=0.5", *overrides])
   warnings = rules.warnings(config, backend)

@@ -4,9 +4,9 @@
 
 Runs the trainer once per setting (baseline, twice; optimizer offload at
 fractions 0.25, 0.5 and 1.0 with each update placement, the device placement
-with and without overlapped copies, and the host kernel's delayed update and
-bfloat16 transfers at 1.0; activation offload of half and of all but one
-layer; both offloads together), each in a fresh process so that no setting's
+and the host kernel with and without overlap, and the host kernel with
+bfloat16 transfers; activation offload of half and of all but one layer; both
+offloads together), each in a fresh process so that no setting's
 memory shows in another's, on the same data and seed. Reports per
 setting the median and spread of step time, tokens/s, MFU, peak device memory
 (measured, and XLA's compiled estimate), pinned host memory, the step-time and

@@ -63,8 +63,7 @@ def plot(out: str, results: list[dict]) -> list[str]:
       continue
     label = " ".join([f"update on {place}"]
                      + ["overlapped"] * (_override(r, "optimizer.overlap_cpu_optimizer_d2h_h2d")
-                                         is not None)
-                     + ["delayed"] * (_override(r, "optimizer.delayed_update") is not None))
+                                         is not None))
     curves.setdefault(label, [(0.0, results[0])]).append(
         (float(_override(r, "optimizer.optimizer_offload_fraction")), r))
   for label, points in curves.items():

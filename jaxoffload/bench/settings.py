@@ -36,9 +36,7 @@ def default_settings(num_layers: int, bfloat16_compute: bool) -> dict[str, list[
       optimizer(0.5, "device") + activations(num_layers - 1))
   for f in FRACTIONS:
     settings[f"optimizer {f} host_kernel"] = optimizer(f, "host_kernel")
-  delayed = ["optimizer.delayed_update=True"]
   halved = ["optimizer.offload_transfer_dtype=bfloat16"]
-  settings["optimizer 1.0 host_kernel delayed"] = optimizer(1.0, "host_kernel") + delayed
   # The host kernel overlaps the next forward pass by default; "no overlap" runs one program.
   one_program = ["optimizer.overlap_cpu_optimizer_d2h_h2d=False"]
   for f in FRACTIONS:
@@ -49,8 +47,6 @@ def default_settings(num_layers: int, bfloat16_compute: bool) -> dict[str, list[
     for f in FRACTIONS:
       settings[f"optimizer {f} host_kernel bf16 transfers no overlap"] = (
           optimizer(f, "host_kernel") + halved + one_program)
-    settings["optimizer 1.0 host_kernel delayed bf16 transfers"] = (
-        optimizer(1.0, "host_kernel") + delayed + halved)
   # The slowest last, so that a run cut short has the rest.
   for f in FRACTIONS:
     settings[f"optimizer {f} host"] = optimizer(f, "host")

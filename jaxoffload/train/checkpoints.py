@@ -2,10 +2,9 @@
 
 A checkpoint holds the run's state in a form no setting owns: ``params`` (the
 whole parameter tree, whatever was offloaded), ``mu`` and ``nu`` (Adam's
-moments, trees like it, whichever optimizer held them), ``host_kernel`` (a
-delayed host update's held gradients and their scale, its count and predicted
-weights, if any) and ``meta`` (the resolved config and the step, as JSON). Orbax records no memory kind: a resume reads
-each leaf into the resuming run's grouping, dtype and placement
+moments, trees like it, whichever optimizer held them) and ``meta`` (the
+resolved config and the step, as JSON). Orbax records no memory kind: a resume
+reads each leaf into the resuming run's grouping, dtype and placement
 (``jaxoffload.train.reader``), so a run can change its offload fraction, its
 update placement, its activation or weights offload and its moments' dtypes
 between two runs. ``params`` alone starts another run
@@ -93,13 +92,11 @@ def save(checkpoints: ocp.CheckpointManager, step: int, trainer: Trainer) -> Non
   Raises:
     ConfigError: naming the directory and why, when this save or the one before failed.
   """
-  items = trainer.checkpoint()
-  meta = {"step": step, "config": dataclasses.asdict(trainer.setup.config),
-          "host_kernel": sorted(items.get("host_kernel", {}))}
+  meta = {"step": step, "config": dataclasses.asdict(trainer.setup.config)}
   with _writing(checkpoints):
     checkpoints.save(step, args=ocp.args.Composite(
         meta=ocp.args.JsonSave(meta), **{name: ocp.args.PyTreeSave(tree)
-                                        for name, tree in items.items()}))
+                                        for name, tree in trainer.checkpoint().items()}))
     if trainer.setup.state_in_host_memory:
       checkpoints.wait_until_finished()
 
@@ -144,12 +141,7 @@ def read(checkpoints: ocp.CheckpointManager, step: int, setup: Setup) -> tuple[A
   targets = Trainer.from_shapes(setup).restore_targets()
   params, mu, nu = (reader.read_tree(checkpoints, step, name, saved_groups, targets[name])
                     for name in STATE_ITEMS)
-  held = None
-  if meta["host_kernel"]:
-    target = {key: targets["host_kernel"][key] for key in meta["host_kernel"]}
-    held = checkpoints.restore(step, args=ocp.args.Composite(host_kernel=ocp.args.PyTreeRestore(
-        target, restore_args=ocp.checkpoint_utils.construct_restore_args(target))))["host_kernel"]
-  return params, Moments(meta["step"], mu, nu, held)
+  return params, Moments(meta["step"], mu, nu)
 
 
 def layer_ranges(config: Config) -> list[range]:
@@ -179,17 +171,14 @@ def restore_newest(checkpoints: ocp.CheckpointManager, setup: Setup,
     except Exception as error:  # A damaged step: orbax's JSON, or a config no longer valid.
       unreadable.append((step, _reason(error)))
       continue
-    model, settings = resume_differences(theirs, setup.config)
+    model = model_differences(theirs, setup.config)
     if model:
       raise ConfigError(f"checkpoint step {step} in {directory} holds another model "
                         f"({'; '.join(model)}): give this run a new checkpoint.dir")
-    if settings or "host_kernel" not in meta:
-      why = ("; ".join(settings) if settings else
-             "written by an earlier jaxoffload, with no placement-free moments")
-      raise ConfigError(
-          f"checkpoint step {step} in {directory} cannot be resumed under this run's settings "
-          f"({why}): set them as the checkpoint has, or take its weights alone with "
-          f"checkpoint.init_from={directory}")
+    why = _not_resumable(meta, os.path.join(directory, str(step)))
+    if why:
+      raise ConfigError(f"checkpoint step {step} in {directory} cannot be resumed ({why}): "
+                        f"take its weights alone with checkpoint.init_from={directory}")
     try:
       trainer = Trainer(setup, *read(checkpoints, step, setup))
     except Exception as error:  # Whatever orbax or tensorstore raise for a damaged step.
@@ -208,32 +197,23 @@ def restore_newest(checkpoints: ocp.CheckpointManager, setup: Setup,
   return None
 
 
-def resume_differences(theirs: Config, ours: Config) -> tuple[list[str], list[str]]:
-  """What keeps a checkpoint written under ``theirs`` from resuming under ``ours``, each as
-  ``"key: theirs -> ours"``: the model's differences, then the settings' (a delayed host
-  update's held gradients, which only the same delayed update can take)."""
-  changed = lambda section, keys: [
-      f"{section}.{key}: {getattr(getattr(theirs, section), key)!r} -> "
-      f"{getattr(getattr(ours, section), key)!r}" for key in keys
-      if getattr(getattr(theirs, section), key) != getattr(getattr(ours, section), key)]
-  model = changed("model", [f.name for f in dataclasses.fields(LlamaConfig)
-                            if f.name not in ("dtype", "seq_length", "attention_implementation")])
-  settings = []
-  if _held_state(theirs) != _held_state(ours) and _held_state(theirs):
-    settings += changed("optimizer", ("optimizer_cpu_offload", "optimizer_offload_update_on",
-                                      "delayed_update", "delayed_update_predict_weights",
-                                      "offload_transfer_dtype"))
-  return model, settings
+def model_differences(theirs: Config, ours: Config) -> list[str]:
+  """What keeps a checkpoint written under ``theirs`` from resuming under ``ours``: the
+  model's differences, each as ``"model.key: theirs -> ours"``."""
+  keys = [f.name for f in dataclasses.fields(LlamaConfig)
+          if f.name not in ("dtype", "seq_length", "attention_implementation")]
+  return [f"model.{key}: {getattr(theirs.model, key)!r} -> {getattr(ours.model, key)!r}"
+          for key in keys if getattr(theirs.model, key) != getattr(ours.model, key)]
 
 
-def _held_state(config: Config) -> tuple:
-  """What a delayed host update keeps beyond the moments: its held gradients, in the dtype
-  they travel in, and its predicted weights; empty without one."""
-  o = config.optimizer
-  if not (o.optimizer_cpu_offload and o.optimizer_offload_update_on == "host_kernel"
-          and o.delayed_update):
-    return ()
-  return (o.offload_transfer_dtype, o.delayed_update_predict_weights)
+def _not_resumable(meta: dict[str, Any], step_dir: str) -> Optional[str]:
+  """Why a step of this model written by an earlier jaxoffload cannot be resumed, or None."""
+  if meta.get("host_kernel"):  # Its keys: the removed delayed update's held gradients.
+    return ("it holds the held gradients of a delayed host update "
+            "(optimizer.delayed_update), which jaxoffload no longer applies")
+  if not os.path.isdir(os.path.join(step_dir, "mu")):
+    return "written by an earlier jaxoffload, with no placement-free moments"
+  return None
 
 
 def _reason(error: Exception) -> str:
@@ -261,8 +241,7 @@ def locate(path: str) -> tuple[ocp.CheckpointManager, int]:
 
 
 def read_meta(checkpoints: ocp.CheckpointManager, step: int) -> dict[str, Any]:
-  """The ``meta`` item of a step: ``{"step": ..., "config": {...}, "host_kernel": [keys of
-  its host_kernel item]}``."""
+  """The ``meta`` item of a step: ``{"step": ..., "config": {...}}``."""
   return checkpoints.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
 

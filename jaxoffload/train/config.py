@@ -104,22 +104,13 @@ class OptimizerConfig:
       between device steps; needs numba and float32 parameters), or auto (the trainer
       times this machine's link and host kernel, prices device and host_kernel, takes
       the cheaper and prints why: ``jaxoffload.autoplace``).
-    delayed_update: with host_kernel, apply step t's update while the device computes
-      step t + 1 (ZeRO-Offload's one-step delayed update): the offloaded leaves'
-      gradients are taken one update late, which changes the optimisation: the
-      trainer warns ([performance](performance.md#optimizer-offload)).
-    delayed_update_after: with delayed_update, how many updates are applied exactly
-      before the delay begins.
-    delayed_update_predict_weights: with delayed_update, the device reads the weights
-      moved once more by their latest update (``2 w_t - w_(t-1)``, weight prediction
-      as in PipeMare and SpecTrain); the host keeps the true weights.
     overlap_cpu_optimizer_d2h_h2d: with optimizer_offload_update_on=device, true fetches
       each streamed piece of state while the previous one updates (double buffering, one
       more piece of device memory). With host_kernel, the model runs a program per layer
-      and the host applies each layer's (exact) update just before the next step's
-      forward pass reads it, while the device computes the layers before it: null (the
-      default) does so wherever it can (one micro-batch a step, no weights offload, no
-      delayed_update), true insists, false never does.
+      and the host applies each layer's update just before the next step's forward pass
+      reads it, while the device computes the layers before it: null (the default) does
+      so wherever it can (one micro-batch a step, no weights offload), true insists,
+      false never does.
     offload_transfer_dtype: with host_kernel, the dtype in which the device reads the
       offloaded weights and sends their clipped gradients: bfloat16 halves both copies
       for the leaves the model multiplies in bfloat16 (norm scales stay float32);
@@ -166,9 +157,6 @@ class OptimizerConfig:
   optimizer_cpu_offload: bool = False
   optimizer_offload_fraction: Union[float, str] = 0.0
   optimizer_offload_update_on: str = "device"
-  delayed_update: bool = False
-  delayed_update_after: int = 0
-  delayed_update_predict_weights: bool = False
   overlap_cpu_optimizer_d2h_h2d: Optional[bool] = None
   offload_transfer_dtype: str = "float32"
   accumulate_offloaded_grads_on: str = "host"
@@ -329,9 +317,8 @@ class CheckpointConfig:
     resume: continue from the newest checkpoint in dir, under any offload setting of
       the same model: another optimizer_offload_fraction or update placement,
       activation or weights offload, moment dtypes; each leaf is read straight into
-      its new placement. A delayed host update's held gradients resume only under the
-      same delayed update. A step that cannot be read is renamed STEP.unreadable
-      (never deleted) and the one before it resumed.
+      its new placement. A step that cannot be read is renamed STEP.unreadable (never
+      deleted) and the one before it resumed.
     init_from: another run's checkpoint directory (its newest step) or one step in it
       to take the first weights from, with a fresh optimizer state; a checkpoint to
       resume from in dir comes first.

@@ -93,7 +93,6 @@ def local_elements(shape: Any, sharding: jax.sharding.Sharding) -> int:
 
 def needed(setup: Setup) -> HostBytes:
   """The host memory ``setup``'s run will allocate, by what holds it."""
-  o = setup.config.optimizer
   shapes, shardings = jax.tree.leaves(setup.param_shapes), jax.tree.leaves(setup.param_shardings)
   offloaded = setup.offload.offloaded if setup.offload else (False,) * len(shapes)
   fetched = jax.tree.leaves(setup.fetched_by_model)
@@ -106,12 +105,10 @@ def needed(setup: Setup) -> HostBytes:
     elements = local_elements(shape.shape, sharding)
     if off and setup.host_kernel:
       wire = next(transfer)
-      pinned, unpinned = host_bytes_per_element(wire, delayed=o.delayed_update,
-                                                predict_weights=o.delayed_update_predict_weights,
-                                                summed=setup.sums_on_host)
-      # Each step's gradients arrive in pinned memory; a delayed update holds one more, and
-      # so do micro-batches summed on the host (the next arrive while the last are added).
-      grads = (2 if o.delayed_update or setup.sums_on_host else 1) * wire.itemsize
+      pinned, unpinned = host_bytes_per_element(wire, summed=setup.sums_on_host)
+      # Each step's gradients arrive in pinned memory; micro-batches summed on the host hold
+      # one more (the next arrive while the last are added).
+      grads = (2 if setup.sums_on_host else 1) * wire.itemsize
       held["host kernel weights and copies"] += elements * (pinned + grads)
       held["host kernel moments and sums"] += elements * unpinned
       saved += elements * checkpointed * HOST_KERNEL_SAVE_COPIES

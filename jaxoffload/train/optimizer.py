@@ -8,7 +8,7 @@ masked to the device leaves beside a ``HostAdamW`` for the rest.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import jax
 import optax
@@ -48,10 +48,7 @@ def host_adamw(setup: Setup, weights: list[jax.Array]) -> HostAdamW:
   """The host kernel's optimizer for the offloaded leaves' float32 ``weights``."""
   o = setup.config.optimizer
   return HostAdamW(weights, learning_rate=setup.schedule, b1=o.adam_beta1, b2=o.adam_beta2,
-                   eps=o.adam_eps, weight_decay=o.weight_decay, delayed=o.delayed_update,
-                   delay_after=o.delayed_update_after,
-                   predict_weights=o.delayed_update_predict_weights,
-                   device_dtypes=setup.transfer_dtypes)
+                   eps=o.adam_eps, weight_decay=o.weight_decay, device_dtypes=setup.transfer_dtypes)
 
 
 class Moments(NamedTuple):
@@ -63,14 +60,11 @@ class Moments(NamedTuple):
       may be a function that reads it (``read() -> array``), so that each is read
       only when its turn comes.
     nu: the second moments, likewise.
-    host_kernel: the host kernel's delayed-update state (``HostAdamW.checkpoint``'s
-      count, held gradients and predicted weights); None when it holds none.
   """
 
   count: int
   mu: Any
   nu: Any
-  host_kernel: Optional[dict] = None
 
 
 def device_shapes(setup: Setup) -> Any:

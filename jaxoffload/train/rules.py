@@ -1,7 +1,7 @@
 """The reference system's rules, and this trainer's, as pure functions of a ``Config``.
 
 ``check`` raises ``ConfigError`` with the reference's wording where it has one;
-``warnings`` lists the settings that run but train worse or slower. Nothing
+``warnings`` lists the settings that run but run slowly. Nothing
 here reads files or the machine: what depends on them is checked where the
 run is set up (``jaxoffload.train.setup``).
 """
@@ -65,15 +65,9 @@ def compact_moments(config: Config) -> bool:
 
 
 def warnings(config: Config, backend: str) -> list[str]:
-  """Lines for the settings that train worse, or run slowly on ``backend``."""
+  """Lines for the settings that run slowly on ``backend``."""
   o, mesh = config.optimizer, config.mesh
   lines = []
-  if o.delayed_update:
-    lines.append(
-        f"warning: optimizer.delayed_update=True takes each gradient one update late after "
-        f"the first {o.delayed_update_after} updates (optimizer.delayed_update_after); it has "
-        f"trained worse than exact updates (docs/performance.md#optimizer-offload): compare "
-        f"its loss with exact updates.")
   if (backend == "gpu" and o.optimizer_cpu_offload and o.optimizer_offload_update_on == "device"
       and max(mesh.fsdp, mesh.tensor) > 1):
     lines.append(
@@ -209,12 +203,9 @@ def _check_optimizer(config: Config) -> None:
 
 def host_update_overlap_blocker(config: Config) -> Optional[str]:
   """Why the host kernel's update cannot overlap the next forward pass a program per layer
-  (``train.overlap``), or None where it can: it needs one micro-batch a step, weights on the
-  device and exact updates."""
-  m, o, t = config.model, config.optimizer, config.train
-  if o.delayed_update:
-    return ("it overlaps an exact update with the next forward pass; "
-            "optimizer.delayed_update=True delays the whole update instead: set one")
+  (``train.overlap``), or None where it can: it needs one micro-batch a step and weights on
+  the device."""
+  m, t = config.model, config.train
   if t.micro_batch_size != t.global_batch_size:
     return (f"it runs one micro-batch a step: train.micro_batch_size={t.micro_batch_size} "
             f"must equal train.global_batch_size={t.global_batch_size}")
@@ -235,32 +226,11 @@ def _check_host_kernel(config: Config) -> None:
       raise ConfigError(f"optimizer.offload_transfer_dtype={o.offload_transfer_dtype} sends the "
                         f"weights the model multiplies in bfloat16; model.dtype is {m.dtype!r}, "
                         f"so none would be")
-  if o.delayed_update and o.optimizer_offload_update_on != "host_kernel":
-    raise ConfigError("optimizer.delayed_update=True needs optimizer.optimizer_offload_update_on="
-                      f"host_kernel, got {o.optimizer_offload_update_on!r}")
-  t = config.train
-  if (o.delayed_update and t.micro_batch_size < t.global_batch_size
-      and o.accumulate_offloaded_grads_on == "host"):
-    raise ConfigError(
-        f"optimizer.delayed_update=True with gradient accumulation (train.micro_batch_size="
-        f"{t.micro_batch_size} < train.global_batch_size={t.global_batch_size}): the host kernel "
-        f"sums a step's micro-batches in host memory, and a delayed update would still hold "
-        f"them while the next step overwrites them; set "
-        f"optimizer.accumulate_offloaded_grads_on=device, train.micro_batch_size="
-        f"{t.global_batch_size} or optimizer.delayed_update=False")
   blocker = host_update_overlap_blocker(config)
   if (o.overlap_cpu_optimizer_d2h_h2d and o.optimizer_offload_update_on == "host_kernel"
       and blocker):
     raise ConfigError(f"optimizer.overlap_cpu_optimizer_d2h_h2d=True with the host kernel: "
                       f"{blocker}")
-  if o.delayed_update_after < 0:
-    raise ConfigError(f"optimizer.delayed_update_after must be >= 0, got {o.delayed_update_after}")
-  if o.delayed_update_after and not o.delayed_update:
-    raise ConfigError(f"optimizer.delayed_update_after={o.delayed_update_after} counts the exact "
-                      f"updates before a delayed_update; set optimizer.delayed_update=True")
-  if o.delayed_update_predict_weights and not o.delayed_update:
-    raise ConfigError("optimizer.delayed_update_predict_weights=True predicts the update a delayed "
-                      "step lacks; set optimizer.delayed_update=True")
   compact = [f"optimizer.{key}={getattr(o, key)}" for key in ("exp_avg_dtype", "exp_avg_sq_dtype")
              if getattr(o, key) not in (None, "float32")]
   if o.optimizer_cpu_offload and o.optimizer_offload_update_on == "host_kernel" and compact:

@@ -16,7 +16,7 @@ import optax
 from jax.experimental import multihost_utils
 from optax import tree_utils as otu
 
-from jaxoffload import host_offload, remat
+from jaxoffload import remat
 from jaxoffload._compat import DEVICE_KIND
 from jaxoffload.host_offload import HostAdamW
 from jaxoffload.memory import compiled_device_bytes
@@ -192,10 +192,9 @@ class Trainer:
 
   def checkpoint(self) -> dict:
     """The whole state as placement-free trees, for orbax: ``params`` (the host kernel's
-    leaves as its float32 weights), ``mu`` and ``nu`` like it, and ``host_kernel`` with a
-    delayed update's held gradients (see ``Moments``). Any setting of the same model resumes
-    from it (``restore_targets``). Host-resident leaves are the live buffers: save them
-    before the next step (``Setup.state_in_host_memory``)."""
+    leaves as its float32 weights), and ``mu`` and ``nu`` like it. Any setting of the same
+    model resumes from it (``restore_targets``). Host-resident leaves are the live buffers:
+    save them before the next step (``Setup.state_in_host_memory``)."""
     mu, nu = (otu.tree_get(self.opt_state, name) for name in ("mu", "nu"))
     if self.host is None:
       return {"params": self.programs.tree(self.params, []), "mu": mu, "nu": nu}
@@ -203,12 +202,9 @@ class Trainer:
     host = self.host.checkpoint(copy=False)  # The save finishes before the next update.
     # The device optimizer's moments of the host kernel's leaves are MaskedNodes.
     device = lambda tree: self.programs.device_only(self.programs.treedef.flatten_up_to(tree))
-    items = {"params": self.programs.tree(self.params, host.pop("params")),
-             "mu": self.programs.tree(device(mu), host.pop("mu")),
-             "nu": self.programs.tree(device(nu), host.pop("nu"))}
-    if self.host.delayed:
-      items["host_kernel"] = host
-    return items
+    return {"params": self.programs.tree(self.params, host["params"]),
+            "mu": self.programs.tree(device(mu), host["mu"]),
+            "nu": self.programs.tree(device(nu), host["nu"])}
 
   def restore_targets(self) -> dict:
     """What ``checkpoint`` returns, as this trainer's shapes, dtypes and placements: where
@@ -223,12 +219,6 @@ class Trainer:
           like, otu.tree_get(self.programs.abstract_state, name),
           otu.tree_get(self.programs.state_shardings, name)))
       targets[name] = self.programs.tree(placed, host)
-    o = self.setup.config.optimizer
-    if self.setup.host_kernel and o.delayed_update:
-      weights = self.programs.host_leaves(jax.tree.leaves(targets["params"]))
-      held = host_offload.checkpoint_target(weights, self.setup.transfer_dtypes, delayed=True,
-                                            predict_weights=o.delayed_update_predict_weights)
-      targets["host_kernel"] = {k: v for k, v in held.items() if k not in STATE_ITEMS}
     return targets
 
   def _load_moments(self, moments: Moments) -> None:
@@ -237,8 +227,7 @@ class Trainer:
     mu, nu = jax.tree.leaves(moments.mu), jax.tree.leaves(moments.nu)
     if self.host is not None:
       picked = lambda leaves: (read(x) for x, h in zip(leaves, self.programs.is_host) if h)
-      self.host.load_moments({"count": moments.count, **(moments.host_kernel or {}),
-                              "mu": picked(mu), "nu": picked(nu)})
+      self.host.load_moments({"count": moments.count, "mu": picked(mu), "nu": picked(nu)})
     unflatten = lambda leaves: self.programs.treedef.unflatten(
         [optax.MaskedNode() if h else x for x, h in zip(leaves, self.programs.is_host)])
     state = otu.tree_set(self.programs.abstract_state, mu=unflatten(mu), nu=unflatten(nu))
