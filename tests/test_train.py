@@ -101,6 +101,9 @@ SLOW = pytest.mark.slow
     pytest.param(HOST_KERNEL, id="host-kernel-overlapped"),
     pytest.param([*HOST_KERNEL, "optimizer.overlap_cpu_optimizer_d2h_h2d=False"], marks=SLOW,
                  id="host-kernel-one-program"),
+    # Each shard of a layer's gradients meets the shard of weights it updates.
+    pytest.param([*HOST_KERNEL, "mesh.fsdp=2", "mesh.tensor=2"], marks=SLOW,
+                 id="host-kernel-overlapped-sharded"),
     # A group of one layer is still a stack: its device leaves' gradients are stacked.
     pytest.param([*HOST_KERNEL, "model.cpu_offloading=True", "model.cpu_offloading_num_layers=1"],
                  marks=SLOW, id="host-kernel-overlapped-one-layer-group"),

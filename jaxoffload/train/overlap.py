@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxoffload import layered
-from jaxoffload._compat import to_device, to_host
+from jaxoffload._compat import DEVICE_KIND, to_device, to_host
 from jaxoffload.host_offload import HostAdamW
 from jaxoffload.model import group_name
 from jaxoffload.train.programs import StepPrograms
@@ -54,6 +54,15 @@ class OverlappedStep:
       (self.host_ids if host else self.device_ids).setdefault(name, []).append(counts[host])
       counts[host] += 1
     self.wire = setup.transfer_dtypes
+    # Where each host kernel leaf's gradient goes: cut as its weights (a layer's, as a layer
+    # of them), so that each shard meets the shard of weights it updates.
+    self.grad_shardings = {}
+    for (path, _), sharding, host in zip(paths, jax.tree.leaves(setup.param_shardings),
+                                         programs.is_host):
+      if host:
+        spec = sharding.spec[1:] if path[0].key in self.layer_groups else sharding.spec
+        self.grad_shardings[len(self.grad_shardings)] = jax.sharding.NamedSharding(
+            sharding.mesh, jax.sharding.PartitionSpec(*spec), memory_kind=DEVICE_KIND)
     self._forward = jax.jit(self._layer_forward, static_argnums=0)
     self._embed_forward = jax.jit(self._embed_forward_piece)
     self._head_step = jax.jit(self._head_piece)
@@ -163,9 +172,12 @@ class OverlappedStep:
     host, device = [], []
     for g, h in zip(jax.tree.leaves(grads), self.is_host[name]):
       (host if h else device).append(g)
-    wire = [self.wire[i] for i in self.host_ids.get(name, [])]
+    ids = self.host_ids.get(name, [])
     square_sum = sum((jnp.sum(jnp.square(g.astype(jnp.float32))) for g in host), jnp.zeros(()))
-    return [to_host(g.astype(d)) for g, d in zip(host, wire)], square_sum, device
+    sent = [to_host(jax.lax.with_sharding_constraint(g.astype(self.wire[i]),
+                                                     self.grad_shardings[i]))
+            for g, i in zip(host, ids)]
+    return sent, square_sum, device
 
   def _embed_forward_piece(self, device, host, tokens):
     params = self._params(layered.EMBED, device, host)
