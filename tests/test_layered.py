@@ -57,11 +57,10 @@ def _split_grads(model, params, tokens):
   return loss, grads
 
 
-@pytest.mark.parametrize("shared", [False, pytest.param(True, marks=pytest.mark.slow)],
-                         ids=["lm-head", "shared-embedding"])
-@pytest.mark.parametrize("name", ["two-groups", pytest.param("save-everything",
-                                                             marks=pytest.mark.slow),
-                                  pytest.param("activation-offload", marks=pytest.mark.slow)])
+# The fast tier runs the split end to end: test_train's host-kernel-overlapped.
+@pytest.mark.slow
+@pytest.mark.parametrize("shared", [False, True], ids=["lm-head", "shared-embedding"])
+@pytest.mark.parametrize("name", list(GROUPS))
 def test_split_backward_matches_whole_model(name, shared):
   config = dataclasses.replace(CONFIG, share_embeddings_and_output_weights=shared)
   model = Llama(config, GROUPS[name])
