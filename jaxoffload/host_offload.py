@@ -12,6 +12,12 @@ gradient in bfloat16: half the bytes each way. A model that multiplies in
 bfloat16 rounds those weights so itself; the gradient's rounding is new only
 when it did not come out of a bfloat16 matmul already.
 
+``hold`` and ``apply_held`` spread one exact update over the next device step,
+a piece at a time (a leaf, or one layer of a leaf stacked over layers): apply
+each piece just before dispatching the program that reads it, and the host
+updates the later layers while the device computes the first
+(``jaxoffload.train.overlap``).
+
 The update writes into JAX arrays behind JAX's back (``host_adam.writable_view``):
 keep to the loop below (dispatch the step, then ``update``), and never pass
 ``HostAdamW.params`` to ``np.asarray``; read them through a computation,
