@@ -4,8 +4,8 @@ XLA's host computation (``compute_on('device_host')``) runs on one core; a
 numba kernel uses them all (docs/performance.md#host-adam). This module is
 that kernel: ``adamw_update`` applies one AdamW step to float32 arrays in
 place, with optax.adamw's arithmetic, using every core numba is allowed; it
-also takes bfloat16 gradients and writes a copy of the new weights (bfloat16,
-for a device that reads and sends half the bytes).
+also takes bfloat16 gradients and writes a bfloat16 copy of the new weights,
+for a device that reads and sends half the bytes.
 
 It works on numpy arrays. ``writable_view`` gives one over the memory of a
 single-shard JAX array in host memory, so the kernel can update JAX's pinned
@@ -51,14 +51,14 @@ def _round_to_bfloat16(x):
 
 
 @functools.cache
-def _step_kernel(grad_is_bf16: bool, copy_kind: int):
-  """The AdamW step compiled for one kind of gradient and copy: with the choices fixed at
-  compile time the loop has no branches, and vectorises."""
+def _step_kernel(grad_is_bf16: bool, has_copy: bool):
+  """The AdamW step compiled for one kind of gradient, with or without the bfloat16 copy: with
+  the choices fixed at compile time the loop has no branches, and vectorises."""
   _require_numba()
 
   @numba.njit(parallel=True, cache=True)
-  def step(param, out, grad, copy, mu, nu, grad_scale, lr, b1, b2, one_minus_b1, one_minus_b2,
-           eps, weight_decay, bias1, bias2):
+  def step(param, grad, copy, mu, nu, grad_scale, lr, b1, b2, one_minus_b1, one_minus_b2, eps,
+           weight_decay, bias1, bias2):
     # Element by element, as optax.adamw: moments, bias correction, decoupled
     # weight decay, learning rate. Scalars are float32, so is the arithmetic.
     # bfloat16 arrays come as their uint16 bits.
@@ -70,11 +70,9 @@ def _step_kernel(grad_is_bf16: bool, copy_kind: int):
       nu[i] = v
       update = (m / bias1) / (np.float32(math.sqrt(v / bias2)) + eps) + weight_decay * param[i]
       new = param[i] - lr * update
-      out[i] = new
-      if copy_kind == 1:
+      param[i] = new
+      if has_copy:
         copy[i] = _round_to_bfloat16(new)
-      elif copy_kind == 2:
-        copy[i] = new
 
   return step
 
@@ -140,20 +138,18 @@ def _check_array(name: str, array: np.ndarray, dtypes: tuple, like: np.ndarray, 
 def adamw_update(param: np.ndarray, grad: np.ndarray, mu: np.ndarray, nu: np.ndarray, *,
                  learning_rate: float, count: int, b1: float = 0.9, b2: float = 0.999,
                  eps: float = 1e-8, weight_decay: float = 1e-4, grad_scale: float = 1.0,
-                 out: np.ndarray | None = None, copy: np.ndarray | None = None) -> None:
+                 copy: np.ndarray | None = None) -> None:
   """One AdamW step on float32 arrays, in place, on every core numba may use.
 
   Args:
-    param, mu, nu: float32 arrays of one shape, C-contiguous; ``mu`` and
-      ``nu`` are overwritten, and ``param`` unless ``out`` is given.
+    param, mu, nu: float32 arrays of one shape, C-contiguous; overwritten.
     grad: the gradient, float32 or bfloat16, of that shape.
     learning_rate: this step's learning rate.
     count: the step number, from 1, for the bias corrections.
     b1, b2, eps, weight_decay: as ``optax.adamw``.
     grad_scale: multiplies the gradient first (global-norm clipping's factor).
-    out: where the new parameters go; None: into ``param``.
-    copy: a bfloat16 or float32 array that also receives the new parameters
-      (bfloat16 rounded to nearest even, as XLA's conversion does).
+    copy: a bfloat16 array that also receives the new parameters, rounded to nearest
+      even as XLA's conversion does (what a device reading bfloat16 weights reads).
 
   Raises:
     ValueError: naming the array that is of a wrong dtype, not contiguous or
@@ -162,9 +158,8 @@ def adamw_update(param: np.ndarray, grad: np.ndarray, mu: np.ndarray, nu: np.nda
   Example:
     >>> adamw_update(w, g, m, v, learning_rate=3e-4, count=1)
   """
-  out = param if out is None else out
-  allowed = {"grad": (np.float32, ml_dtypes.bfloat16), "copy": (np.float32, ml_dtypes.bfloat16)}
-  arrays = {"param": param, "grad": grad, "mu": mu, "nu": nu, "out": out, "copy": copy}
+  allowed = {"grad": (np.float32, ml_dtypes.bfloat16), "copy": (ml_dtypes.bfloat16,)}
+  arrays = {"param": param, "grad": grad, "mu": mu, "nu": nu, "copy": copy}
   for name, array in arrays.items():
     if array is not None:
       _check_array(name, array, allowed.get(name, (np.float32,)), param, "param")
@@ -172,11 +167,10 @@ def adamw_update(param: np.ndarray, grad: np.ndarray, mu: np.ndarray, nu: np.nda
     raise ValueError(f"count must be at least 1 (the first step is 1), got {count}")
   f32 = np.float32
   grad_is_bf16 = grad.dtype == ml_dtypes.bfloat16
-  copy_kind = 0 if copy is None else 1 if copy.dtype == ml_dtypes.bfloat16 else 2
-  flat = lambda a: a.reshape(-1).view(np.uint16) if a.dtype == ml_dtypes.bfloat16 else a.reshape(-1)
-  _step_kernel(grad_is_bf16, copy_kind)(
-      param.reshape(-1), out.reshape(-1), flat(grad),
-      np.zeros(1, np.float32) if copy is None else flat(copy), mu.reshape(-1), nu.reshape(-1),
+  bits = lambda a: a.reshape(-1).view(np.uint16)
+  _step_kernel(grad_is_bf16, copy is not None)(
+      param.reshape(-1), bits(grad) if grad_is_bf16 else grad.reshape(-1),
+      np.zeros(1, np.uint16) if copy is None else bits(copy), mu.reshape(-1), nu.reshape(-1),
       # optax takes 1 - b1 in Python's float64 and rounds it once: 0.1, not
       # float32(1) - float32(0.9) = 0.100000024.
       f32(grad_scale), f32(learning_rate), f32(b1), f32(b2), f32(1 - b1), f32(1 - b2),

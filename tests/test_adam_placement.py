@@ -8,8 +8,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxoffload
-from tests.helpers import (assert_moments_placed, max_rel_diff, mixed_params, moment_kinds, relayouts,
-                           train)
+from tests.helpers import (assert_moments_placed, max_rel_diff, mixed_params, moment_kinds,
+                           relayouts, train)
 
 MODES = ["host", "device"]
 

@@ -37,8 +37,8 @@ def optimizer(setup: Setup) -> optax.GradientTransformation:
     adamw = jaxoffload.offload_adamw(
         setup.schedule, **hyper, offload_mask=mask,
         update_on=o.optimizer_offload_update_on if setup.offload is not None else "device",
-        overlap_transfers=bool(o.overlap_cpu_optimizer_d2h_h2d), mu_dtype=mu_dtype, nu_dtype=nu_dtype,
-        stochastic_rounding=compact, shardings=setup.param_shardings)
+        overlap_transfers=bool(o.overlap_cpu_optimizer_d2h_h2d), mu_dtype=mu_dtype,
+        nu_dtype=nu_dtype, stochastic_rounding=compact, shardings=setup.param_shardings)
   else:
     adamw = optax.adamw(setup.schedule, **hyper)
   return optax.chain(optax.clip_by_global_norm(o.clip_grad), adamw)
