@@ -134,6 +134,13 @@ def test_losses_equal_the_baseline(overrides, baseline_losses):
   np.testing.assert_allclose(losses, baseline_losses, rtol=1e-5)
 
 
+def test_the_host_kernel_overlaps_the_next_forward_pass_wherever_it_can():
+  trainer = lambda *more: Trainer.from_shapes(resolve(load_config(None, [*HOST_KERNEL, *more])))
+  assert trainer().overlapped is not None
+  assert trainer("optimizer.overlap_cpu_optimizer_d2h_h2d=False").overlapped is None
+  assert trainer("train.micro_batch_size=4").overlapped is None  # A program per micro-batch.
+
+
 @SLOW
 def test_an_overlapped_update_of_a_shared_embedding_sums_both_its_gradients():
   shared = [f"train.train_iters={STEPS}", "model.share_embeddings_and_output_weights=True"]
