@@ -6,8 +6,9 @@ host kernel's overlap, ``jaxoffload.train.overlap``), and a layer's gradients
 are ready while the device computes the layers below. ``jax.vjp`` of a piece
 gives its pullback, whose leaves are the activations the piece saved (as its
 group's remat policy decides); ``backward`` runs a layer's pullback in a
-program of its own. Weight-offloaded groups bring their layers in inside the
-model's scan; they are not split (``splittable``).
+program of its own. Groups that keep their weights in host memory
+(``offload_weights``, ``fetch_weights``) bring each layer in inside the
+model's scan, and are not run this way.
 
 Example:
   >>> x, embed_pullback = jax.vjp(lambda p: embed(model, p, tokens), params["embed"])
@@ -26,15 +27,9 @@ import jax
 
 from jaxoffload.model import (DecoderLayer, Llama, RMSNorm, constrain, embedding,
                               next_token_loss, output_layer, output_logits)
-from jaxoffload.remat import LayerGroup, layer_groups
+from jaxoffload.remat import LayerGroup
 
 EMBED = "embed"
-
-
-def splittable(model: Llama) -> bool:
-  """Whether ``model`` can be split into these pieces: no group keeps its weights in host memory."""
-  groups = model.groups or layer_groups(model.config.num_layers)
-  return not any(g.offload_weights or g.fetch_weights for g in groups)
 
 
 def head_names(model: Llama) -> tuple[str, ...]:

@@ -73,9 +73,3 @@ def test_split_backward_matches_whole_model(name, shared):
   assert jax.tree.structure(split_grads) == jax.tree.structure(grads)
   assert abs(float(split_loss) - float(loss)) < 1e-6 * float(loss)
   assert max_rel_diff(split_grads, grads) < 1e-5
-
-
-def test_weight_offloaded_groups_are_not_splittable():
-  assert layered.splittable(Llama(CONFIG, GROUPS["two-groups"]))
-  weights = remat.layer_groups(CONFIG.num_layers, offload_num_layers=2, offload_weights=True)
-  assert not layered.splittable(Llama(CONFIG, weights))

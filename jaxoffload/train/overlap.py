@@ -160,11 +160,11 @@ class OverlappedStep:
   def _params(self, name: str, device: list, host: list, index: Any = None) -> Any:
     """Parameter ``name``'s tree on the device from its leaves (layer ``index`` of a group's)."""
     device, host = iter(device), iter(host)
-    # A host leaf's layer is cut in host memory, so that only it comes over.
-    cut = (lambda x: x) if index is None else (
-        lambda x: jax.lax.dynamic_index_in_dim(x, index, keepdims=False))
-    leaves = [to_device(cut(next(host))) if h else cut(next(device)) for h in self.is_host[name]]
-    return jax.tree.structure(self.setup.param_shapes[name]).unflatten(leaves)
+    leaves = [next(host) if h else next(device) for h in self.is_host[name]]
+    if index is not None:  # Cut first: of a host leaf, only the layer comes over.
+      leaves = layered.layer_slice(leaves, index)
+    return jax.tree.structure(self.setup.param_shapes[name]).unflatten(
+        [to_device(x) for x in leaves])
 
   def _split(self, name: str, grads: Any) -> tuple[list, jax.Array, list]:
     """Parameter ``name``'s gradients: the host kernel's sent to host memory in the dtype they
