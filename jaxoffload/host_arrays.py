@@ -50,10 +50,12 @@ def read_scalar(value: Union[float, jax.Array]) -> float:
   the device step in flight.
   """
   if isinstance(value, jax.Array):
+    # A shard: the global scalar may span other processes' devices, every one holding it.
     shard = value.addressable_shards[0]
     if value.sharding.memory_kind == "pinned_host" or shard.device.platform == "cpu":
       return float(host_adam.writable_view(shard.data))
-  return float(np.asarray(value))
+    return float(np.asarray(shard.data))
+  return float(value)
 
 
 def shard_values(values: Any, like: jax.Array) -> list[np.ndarray]:

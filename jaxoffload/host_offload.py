@@ -16,7 +16,11 @@ when it did not come out of a bfloat16 matmul already.
 a piece at a time (a leaf, or one layer of a leaf stacked over layers): apply
 each piece just before dispatching the program that reads it, and the host
 updates the later layers while the device computes the first
-(``jaxoffload.train.overlap``).
+(``jaxoffload.train.overlap``). ``apply_ahead`` starts on held pieces before
+their gradients' scale (the clipping factor) is known, as if it were 1: the
+host updates while the device still computes the backward pass. Should the
+scale not be 1, ``apply_held`` takes those updates back
+(``host_adam.adamw_undo``) and applies them again, scaled.
 
 The update writes into JAX arrays behind JAX's back (``host_adam.writable_view``):
 keep to the loop below (dispatch the step, then ``update``), and never pass
@@ -112,6 +116,10 @@ class HostAdamW:
     self._nu = [[np.zeros_like(v) for v in views] for views in self._weight_views]
     # hold()'s gradients by piece not yet applied, their scale and learning rate.
     self._pieces: Optional[tuple[dict, Any, float]] = None
+    # apply_ahead()'s gradients by piece, applied as if their scale were 1.
+    self._ahead: dict = {}
+    self.applied_ahead = 0  # Pieces apply_ahead applied.
+    self.undone = 0  # Updates apply_ahead began that their scale made apply_held take back.
     # Per leaf and shard, the float32 sums of accumulate(); _summed: they hold this step's.
     self._sums: Optional[list[list[np.ndarray]]] = None
     self._summed = False
@@ -249,6 +257,14 @@ class HostAdamW:
     if self._pieces is None:
       return
     grads, scale, learning_rate = self._pieces
+    if self._ahead:
+      jax.block_until_ready(scale)
+      if host_arrays.read_scalar(scale) != 1.0:
+        for piece, grad in self._ahead.items():
+          self._apply_piece(piece, grad, 1.0, learning_rate, undo=True)
+        grads.update(self._ahead)
+        self.undone += 1
+      self._ahead = {}
     for piece in list(grads) if pieces is None else pieces:
       grad = grads.pop(piece, None)
       if grad is not None:
@@ -256,6 +272,31 @@ class HostAdamW:
         self._apply_piece(piece, grad, host_arrays.read_scalar(scale), learning_rate)
     if not grads:
       self._pieces = None
+
+  def apply_ahead(self, pieces: Iterable[Piece]) -> None:
+    """Applies the held gradients of ``pieces`` as if their scale were 1, before it is known,
+    waiting for each gradient; pieces already applied or not held are skipped.
+
+    For the host to update while the device still computes the scale (global-norm clipping's
+    factor, 1 unless the gradients are clipped). The next ``apply_held`` (or ``hold``,
+    ``finish``) reads it, and if it is not 1 takes these updates back and applies them
+    scaled, within a few float32 roundings of applying them scaled at once
+    (``host_adam.adamw_undo``).
+
+    Example:
+      >>> host.hold({(0, layer): g for layer, g in enumerate(layer_grads)}, clip_factor)
+      >>> host.apply_ahead([(0, 7), (0, 6)])  # As the backward pass sends them.
+    """
+    if self._pieces is None:
+      return
+    grads, _, learning_rate = self._pieces
+    for piece in pieces:
+      grad = grads.pop(piece, None)
+      if grad is not None:
+        jax.block_until_ready(grad)
+        self._apply_piece(piece, grad, 1.0, learning_rate)
+        self._ahead[piece] = grad
+        self.applied_ahead += 1
 
   def finish(self) -> None:
     """Applies the held gradients, if any, so that ``params`` has every update."""
@@ -341,15 +382,21 @@ class HostAdamW:
       self._apply_piece((leaf, None), grad, scale, learning_rate)
 
   def _apply_piece(self, piece: Piece, grad: Union[jax.Array, list], scale: float,
-                   learning_rate: float) -> None:
-    """Applies a leaf's gradient, or one layer's of a stacked leaf (``piece``)."""
+                   learning_rate: float, *, undo: bool = False) -> None:
+    """Applies a leaf's gradient, or one layer's of a stacked leaf (``piece``); with ``undo``,
+    takes that back."""
     leaf, layer = piece
     weights, copies = self._weight_views[leaf], self._copy_views[leaf]
     part = (lambda views: views) if layer is None else (lambda views: views[layer])
     # A leaf's gradient: an array in host memory, or a sum's shards.
     views = grad if isinstance(grad, list) else host_arrays.shard_views(grad)
     for shard, grad_view in enumerate(views):
-      host_adam.adamw_update(part(weights[shard]), grad_view, part(self._mu[leaf][shard]),
-                             part(self._nu[leaf][shard]), learning_rate=learning_rate,
-                             count=self.count, grad_scale=scale,
-                             copy=None if copies is None else part(copies[shard]), **self._hyper)
+      arrays = (part(weights[shard]), grad_view, part(self._mu[leaf][shard]),
+                part(self._nu[leaf][shard]))
+      settings = dict(learning_rate=learning_rate, count=self.count, grad_scale=scale,
+                      **self._hyper)
+      if undo:
+        host_adam.adamw_undo(*arrays, **settings)
+      else:
+        host_adam.adamw_update(*arrays, copy=None if copies is None else part(copies[shard]),
+                               **settings)

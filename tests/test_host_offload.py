@@ -105,6 +105,29 @@ def test_held_pieces_update_as_the_whole_step_does():
   assert max_rel_diff(whole, optax_reference(weights, batches)) <= 1e-6
 
 
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+def test_pieces_applied_ahead_equal_held_ones_and_are_taken_back_when_scaled(scale):
+  weights, batches = problem()
+  pinned = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+  runs = []
+  for ahead in (False, True):
+    host = HostAdamW([jax.device_put(np.array(w), pinned) for w in weights],
+                     learning_rate=schedule, **HYPER)
+    for step, batch in enumerate(batches):
+      pieces, _ = device_step_by_piece(host.params, batch)
+      host.hold(pieces, jnp.float32(scale))
+      if ahead and step >= 2:  # Started before the scale is read, the rest held.
+        host.apply_ahead([(0, layer) for layer in range(8)])
+      host.apply_held()
+    runs.append(host.snapshot())
+    assert host.applied_ahead == (32 if ahead else 0)
+    assert host.undone == (4 if ahead and scale != 1 else 0)
+  if scale != 1:
+    assert max_rel_diff(runs[1], runs[0]) <= 1e-6
+  else:
+    assert all(np.array_equal(a, b) for a, b in zip(*runs))
+
+
 def test_bfloat16_on_the_wire_equals_optax_at_bfloat16_weights():
   # The device reads leaf 0 rounded to bfloat16 and sends its gradient in
   # bfloat16; the host's float32 weights take optax's update of that gradient.

@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 
 from jaxoffload.placement import leaf_path
-from jaxoffload.train import Trainer, load_config, resolve, rules, run, train
+from jaxoffload.train import Trainer, load_config, resolve, rules, run, train, weights
 from jaxoffload.train.__main__ import main
 from jaxoffload.train.launch import COMMAND_BUFFER_FLAG, set_xla_flags
+from jaxoffload.train.overlap import OverlappedStep
+from tests.helpers import max_rel_diff
 
 STEPS = 5
 QUIET = lambda _: None
@@ -139,6 +141,31 @@ def test_the_host_kernel_overlaps_the_next_forward_pass_wherever_it_can():
   assert trainer().overlapped is not None
   assert trainer("optimizer.overlap_cpu_optimizer_d2h_h2d=False").overlapped is None
   assert trainer("train.micro_batch_size=4").overlapped is None  # A program per micro-batch.
+
+
+@pytest.mark.parametrize("clip_grad, undone", [(1e6, 0), (1.0, 1)])
+def test_updates_started_during_the_backward_pass_equal_those_started_after_it(
+    clip_grad, undone, monkeypatch):
+  # As if the device were slower than the host: every piece starts as the backward pass
+  # sends it (after an unclipped step), until the gradients so far clip.
+  monkeypatch.setattr(OverlappedStep, "_backward_running", staticmethod(lambda _: True))
+  runs = {}
+  for speculate in (True, False):
+    setup = resolve(load_config(None, [
+        *HOST_KERNEL[:1], "optimizer.optimizer_offload_fraction=1.0", *HOST_KERNEL[2:],
+        f"optimizer.clip_grad={clip_grad}", f"optimizer.speculate_cpu_optimizer_step={speculate}"]))
+    trainer = Trainer(setup, weights.initial(setup))
+    # The tiny model's gradient norm first exceeds 1 at step 6 of these 8.
+    norms = [float(trainer.step(setup.global_batch(step))[1]) for step in range(8)]
+    trainer.host.finish()
+    runs[speculate] = trainer.host.snapshot()
+    assert (trainer.host.applied_ahead > 0) == speculate
+    assert trainer.host.undone == (undone if speculate else 0)
+  assert (np.array(norms) > 1.0).any()
+  if undone:
+    assert max_rel_diff(runs[True], runs[False]) <= 1e-6
+  else:
+    assert all(np.array_equal(a, b) for a, b in zip(runs[True], runs[False]))
 
 
 @SLOW

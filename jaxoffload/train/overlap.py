@@ -10,6 +10,13 @@ the device computes the first layers while the host updates the later ones.
 The update is the single program's (exact, the same clipping); only when the
 host applies it moves. A step's host gradients leave the device as each
 layer's backward program ends.
+
+After a step whose gradients were not clipped, the host also starts on the
+next step's update while the device still computes its backward pass, as if
+it would not clip either (``HostAdamW.apply_ahead``): the layers the backward
+pass sends first, the last ones, are updated before the device is done. When
+the step does clip, those updates are taken back and applied again, scaled;
+the host stops starting them once the gradients so far already clip.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxoffload import layered
+from jaxoffload import host_arrays, layered
 from jaxoffload._compat import DEVICE_KIND, to_device, to_host
 from jaxoffload.host_offload import HostAdamW
 from jaxoffload.model import group_name
@@ -71,6 +78,11 @@ class OverlappedStep:
     self._update = jax.jit(self._apply_update, donate_argnums=(0, 1),
                            out_shardings=programs.update_shardings)
     self._compiled: dict[str, jax.stages.Compiled] = {}
+    optimizer = setup.config.optimizer
+    self._max_norm = optimizer.clip_grad
+    # The last step's clipping factor, while ahead starts are on: None for none.
+    self._last_clip_factor = None
+    self._starts_ahead = optimizer.speculate_cpu_optimizer_step
 
   def __call__(self, device_leaves: list, host: HostAdamW, opt_state: Any, tokens: jax.Array
                ) -> tuple[list, Any, jax.Array, jax.Array]:
@@ -128,33 +140,65 @@ class OverlappedStep:
     loss, dx, shared_embed, head_grads = run("head", self._head_step, (),
                                              {name: leaves(name) for name in self.head}, x,
                                              tokens)
-    held, squares, device_grads = {}, [], {}
-    self._collect(head_grads, held, squares, device_grads)
+    held, arrivals, device_grads = {}, [], {}
+    self._collect(head_grads, held, arrivals, device_grads)
     # A group's layers share the first one's pullback structure: one compile per group.
     first = {name: structure for name, index, structure, _ in saved if index == 0}
     while saved:  # Each layer's activations go as its backward program ends.
       name, index, _, pullback_leaves = saved.pop()
       dx, grads = run(f"backward {name}", self._backward, (name, first[name]), pullback_leaves,
                       dx)
-      self._collect(grads, held, squares, device_grads, index)
+      self._collect(grads, held, arrivals, device_grads, index)
     self._collect(run("embed backward", self._embed_backward, (), embed_pullback, dx,
-                      shared_embed), held, squares, device_grads)
+                      shared_embed), held, arrivals, device_grads)
+    squares = [square_sum for _, square_sum in arrivals]
     device_leaves, opt_state, loss, grad_norm, clip_factor = run(
         "update", self._update, (), device_leaves, opt_state, loss, device_grads, squares)
     if host is not None:
+      unclipped_before = self._last_step_unclipped()
       host.hold(held, clip_factor)
+      if self._starts_ahead:
+        self._last_clip_factor = clip_factor
+      if unclipped_before:
+        self._apply_ahead(host, arrivals, clip_factor)
     return device_leaves, opt_state, loss, grad_norm
+
+  def _last_step_unclipped(self) -> bool:
+    """Whether the last step's gradients were known not to be clipped: the guess the host's
+    early start makes for this step (a run that clips every step would take each back)."""
+    last = self._last_clip_factor
+    return last is not None and host_arrays.read_scalar(jax.block_until_ready(last)) == 1.0
+
+  def _apply_ahead(self, host: HostAdamW, arrivals: list, clip_factor: jax.Array) -> None:
+    """Starts the host's update of the pieces the backward pass sends, in the order it sends
+    them, while the device still computes it (``clip_factor``, its last result, not ready);
+    stops once their norm alone clips. The rest wait for the next step's forward pass."""
+    squares = 0.0
+    for pieces, square_sum in arrivals:
+      if not self._backward_running(clip_factor):
+        return
+      squares += host_arrays.read_scalar(square_sum)
+      if squares >= self._max_norm**2:
+        return
+      host.apply_ahead(pieces)
+
+  @staticmethod
+  def _backward_running(clip_factor: jax.Array) -> bool:
+    """Whether the device still computes the step whose last result is ``clip_factor``."""
+    return not clip_factor.is_ready()
 
   def _pieces(self, name: str, index: Any = None) -> list[tuple[int, Any]]:
     """The host kernel's pieces of parameter ``name`` (layer ``index`` of a group's)."""
     return [(leaf, index) for leaf in self.host_ids.get(name, [])]
 
-  def _collect(self, grads: dict, held: dict, squares: list, device_grads: dict,
+  def _collect(self, grads: dict, held: dict, arrivals: list, device_grads: dict,
                index: Any = None) -> None:
-    """Files a program's gradients: the host kernel's by piece, the rest by name."""
+    """Files a program's gradients: the host kernel's by piece, in ``held`` and, with the sum
+    of their squares, in ``arrivals``; the rest by name."""
     for name, (host, square_sum, device) in grads.items():
-      held.update(zip(self._pieces(name, index), host))
-      squares.append(square_sum)
+      pieces = self._pieces(name, index)
+      held.update(zip(pieces, host))
+      arrivals.append((pieces, square_sum))
       device_grads.setdefault(name, []).append(device)
 
   def _params(self, name: str, device: list, host: list, index: Any = None) -> Any:
