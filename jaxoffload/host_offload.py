@@ -118,8 +118,8 @@ class HostAdamW:
     self._pieces: Optional[tuple[dict, Any, float]] = None
     # apply_ahead()'s gradients by piece, applied as if their scale were 1.
     self._ahead: dict = {}
-    self.applied_ahead = 0  # Pieces apply_ahead applied.
-    self.undone = 0  # Updates apply_ahead began that their scale made apply_held take back.
+    self.started_ahead = 0  # Updates apply_ahead began on.
+    self.undone = 0  # Of those, the ones their scale made apply_held take back.
     # Per leaf and shard, the float32 sums of accumulate(); _summed: they hold this step's.
     self._sums: Optional[list[list[np.ndarray]]] = None
     self._summed = False
@@ -295,8 +295,8 @@ class HostAdamW:
       if grad is not None:
         jax.block_until_ready(grad)
         self._apply_piece(piece, grad, 1.0, learning_rate)
+        self.started_ahead += not self._ahead
         self._ahead[piece] = grad
-        self.applied_ahead += 1
 
   def finish(self) -> None:
     """Applies the held gradients, if any, so that ``params`` has every update."""

@@ -120,7 +120,7 @@ def test_pieces_applied_ahead_equal_held_ones_and_are_taken_back_when_scaled(sca
         host.apply_ahead([(0, layer) for layer in range(8)])
       host.apply_held()
     runs.append(host.snapshot())
-    assert host.applied_ahead == (32 if ahead else 0)
+    assert host.started_ahead == (4 if ahead else 0)
     assert host.undone == (4 if ahead and scale != 1 else 0)
   if scale != 1:
     assert max_rel_diff(runs[1], runs[0]) <= 1e-6
