@@ -160,7 +160,7 @@ class OverlappedStep:
       if self._starts_ahead:
         self._last_clip_factor = clip_factor
       if unclipped_before:
-        self._apply_ahead(host, arrivals, clip_factor)
+        self._apply_ahead(host, arrivals, grad_norm)
     return device_leaves, opt_state, loss, grad_norm
 
   def _last_step_unclipped(self) -> bool:
@@ -169,13 +169,14 @@ class OverlappedStep:
     last = self._last_clip_factor
     return last is not None and host_arrays.read_scalar(jax.block_until_ready(last)) == 1.0
 
-  def _apply_ahead(self, host: HostAdamW, arrivals: list, clip_factor: jax.Array) -> None:
+  def _apply_ahead(self, host: HostAdamW, arrivals: list, last_result: jax.Array) -> None:
     """Starts the host's update of the pieces the backward pass sends, in the order it sends
-    them, while the device still computes it (``clip_factor``, its last result, not ready);
-    stops once their norm alone clips. The rest wait for the next step's forward pass."""
+    them, while the device still computes the step (``last_result``, in device memory, not
+    ready); stops once their norm alone clips. The rest wait for the next step's forward
+    pass."""
     squares = 0.0
     for pieces, square_sum in arrivals:
-      if not self._backward_running(clip_factor):
+      if not self._backward_running(last_result):
         return
       squares += host_arrays.read_scalar(square_sum)
       if squares >= self._max_norm**2:
@@ -183,9 +184,9 @@ class OverlappedStep:
       host.apply_ahead(pieces)
 
   @staticmethod
-  def _backward_running(clip_factor: jax.Array) -> bool:
-    """Whether the device still computes the step whose last result is ``clip_factor``."""
-    return not clip_factor.is_ready()
+  def _backward_running(last_result: jax.Array) -> bool:
+    """Whether the device still computes the step that ends with ``last_result``."""
+    return not last_result.is_ready()
 
   def _pieces(self, name: str, index: Any = None) -> list[tuple[int, Any]]:
     """The host kernel's pieces of parameter ``name`` (layer ``index`` of a group's)."""
