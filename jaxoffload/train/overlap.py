@@ -178,7 +178,7 @@ class OverlappedStep:
     for pieces, square_sum in arrivals:
       if not self._backward_running(last_result):
         return
-      squares += host_arrays.read_scalar(square_sum)
+      squares += host_arrays.read_scalar(jax.block_until_ready(square_sum))
       if squares >= self._max_norm**2:
         return
       host.apply_ahead(pieces)
