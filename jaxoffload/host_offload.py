@@ -16,11 +16,11 @@ when it did not come out of a bfloat16 matmul already.
 a piece at a time (a leaf, or one layer of a leaf stacked over layers): apply
 each piece just before dispatching the program that reads it, and the host
 updates the later layers while the device computes the first
-(``jaxoffload.train.overlap``). ``apply_ahead`` starts on held pieces before
-their gradients' scale (the clipping factor) is known, as if it were 1: the
-host updates while the device still computes the backward pass. Should the
-scale not be 1, ``apply_held`` takes those updates back
-(``host_adam.adamw_undo``) and applies them again, scaled.
+(``jaxoffload.train.overlap``). Held ``speculative``, pieces may also start
+before their gradients' scale (the clipping factor) is known, as if it were 1
+(``apply_ahead``): the host updates while the device still computes the
+backward pass. Should the scale not be 1, every piece is taken back
+(``host_adam.adamw_undo``) and applied again, scaled.
 
 The update writes into JAX arrays behind JAX's back (``host_adam.writable_view``):
 keep to the loop below (dispatch the step, then ``update``), and never pass
@@ -116,10 +116,11 @@ class HostAdamW:
     self._nu = [[np.zeros_like(v) for v in views] for views in self._weight_views]
     # hold()'s gradients by piece not yet applied, their scale and learning rate.
     self._pieces: Optional[tuple[dict, Any, float]] = None
-    # apply_ahead()'s gradients by piece, applied as if their scale were 1.
-    self._ahead: dict = {}
-    self.started_ahead = 0  # Updates apply_ahead began on.
-    self.undone = 0  # Of those, the ones their scale made apply_held take back.
+    # For a speculative hold, until its scale is read: the pieces apply_ahead applied.
+    self._ahead: Optional[dict] = None
+    self.speculated = 0  # Updates held speculative.
+    self.undone = 0  # Of those, the ones whose scale was not 1.
+    self.last_grad_scale: Optional[float] = None  # The scale of the last update applied.
     # Per leaf and shard, the float32 sums of accumulate(); _summed: they hold this step's.
     self._sums: Optional[list[list[np.ndarray]]] = None
     self._summed = False
@@ -226,8 +227,8 @@ class HostAdamW:
     self._summed = True
     return squares
 
-  def hold(self, grads: Mapping[Piece, jax.Array], grad_scale: Union[float, jax.Array] = 1.0
-           ) -> None:
+  def hold(self, grads: Mapping[Piece, jax.Array], grad_scale: Union[float, jax.Array] = 1.0,
+           *, speculative: bool = False) -> None:
     """Takes one step's gradients by piece, for ``apply_held`` to apply a piece at a time.
 
     An exact update spread over the next device step: apply each piece just
@@ -241,10 +242,16 @@ class HostAdamW:
     Args:
       grads: per piece, its gradient in host memory; together they cover every leaf once.
       grad_scale: as ``update``'s.
+      speculative: let ``apply_ahead`` start pieces before ``grad_scale`` is known. If it
+        is not 1, every piece then takes the same longer way (updated unscaled, taken
+        back, updated scaled), however many were started: the result does not depend
+        on how far the host got.
     """
     self.apply_held()
     self.count += 1
     self._pieces = (dict(grads), grad_scale, self._learning_rate(self.count - 1))
+    self._ahead = {} if speculative else None
+    self.speculated += speculative
 
   def apply_held(self, pieces: Optional[Iterable[Piece]] = None) -> None:
     """Applies the held gradients of ``pieces`` (None: all still held), waiting for them;
@@ -257,45 +264,61 @@ class HostAdamW:
     if self._pieces is None:
       return
     grads, scale, learning_rate = self._pieces
-    if self._ahead:
-      jax.block_until_ready(scale)
-      if host_arrays.read_scalar(scale) != 1.0:
-        for piece, grad in self._ahead.items():
-          self._apply_piece(piece, grad, 1.0, learning_rate, undo=True)
-        grads.update(self._ahead)
-        self.undone += 1
-      self._ahead = {}
+    if self._ahead is not None:
+      self._settle(grads, scale, learning_rate)
     for piece in list(grads) if pieces is None else pieces:
       grad = grads.pop(piece, None)
       if grad is not None:
         jax.block_until_ready((grad, scale))
-        self._apply_piece(piece, grad, host_arrays.read_scalar(scale), learning_rate)
+        self.last_grad_scale = host_arrays.read_scalar(scale)
+        self._apply_piece(piece, grad, self.last_grad_scale, learning_rate)
     if not grads:
       self._pieces = None
+
+  def _settle(self, grads: dict, scale: Any, learning_rate: float) -> None:
+    """Reads a speculative hold's scale; unless it is 1, takes back every piece's unscaled
+    update (making it first where ``apply_ahead`` had not), to apply scaled."""
+    ahead, self._ahead = self._ahead, None
+    jax.block_until_ready(scale)
+    self.last_grad_scale = host_arrays.read_scalar(scale)
+    if self.last_grad_scale == 1.0:
+      return
+    self.undone += 1
+    for piece, grad in grads.items():
+      jax.block_until_ready(grad)
+      self._apply_piece(piece, grad, 1.0, learning_rate)
+    grads.update(ahead)
+    for piece, grad in grads.items():
+      self._apply_piece(piece, grad, 1.0, learning_rate, undo=True)
 
   def apply_ahead(self, pieces: Iterable[Piece]) -> None:
     """Applies the held gradients of ``pieces`` as if their scale were 1, before it is known,
     waiting for each gradient; pieces already applied or not held are skipped.
 
     For the host to update while the device still computes the scale (global-norm clipping's
-    factor, 1 unless the gradients are clipped). The next ``apply_held`` (or ``hold``,
-    ``finish``) reads it, and if it is not 1 takes these updates back and applies them
-    scaled, within a few float32 roundings of applying them scaled at once
+    factor, 1 unless the gradients are clipped) of a ``hold(..., speculative=True)``. The
+    next ``apply_held`` (or ``hold``, ``finish``) reads it; if it is not 1, the update
+    ends within a few float32 roundings of applying it scaled at once
     (``host_adam.adamw_undo``).
 
+    Raises:
+      ValueError: when the held update is not speculative.
+
     Example:
-      >>> host.hold({(0, layer): g for layer, g in enumerate(layer_grads)}, clip_factor)
+      >>> host.hold({(0, layer): g for layer, g in enumerate(layer_grads)}, clip_factor,
+      ...           speculative=True)
       >>> host.apply_ahead([(0, 7), (0, 6)])  # As the backward pass sends them.
     """
     if self._pieces is None:
       return
+    if self._ahead is None:
+      raise ValueError("apply_ahead starts a speculative update: hold(..., speculative=True)")
     grads, _, learning_rate = self._pieces
     for piece in pieces:
       grad = grads.pop(piece, None)
       if grad is not None:
         jax.block_until_ready(grad)
         self._apply_piece(piece, grad, 1.0, learning_rate)
-        self.started_ahead += not self._ahead
         self._ahead[piece] = grad
 
   def finish(self) -> None:
@@ -375,7 +398,7 @@ class HostAdamW:
     """Applies ``grads`` to the weights in place, once they are ready: the step that read the
     weights has then finished, and the next is not yet dispatched."""
     jax.block_until_ready((grads, grad_scale))
-    scale = host_arrays.read_scalar(grad_scale)
+    scale = self.last_grad_scale = host_arrays.read_scalar(grad_scale)
     self.count += 1
     learning_rate = self._learning_rate(self.count - 1)
     for leaf, grad in enumerate(grads):

@@ -106,26 +106,41 @@ def test_held_pieces_update_as_the_whole_step_does():
 
 
 @pytest.mark.parametrize("scale", [1.0, 0.5])
-def test_pieces_applied_ahead_equal_held_ones_and_are_taken_back_when_scaled(scale):
+def test_speculative_updates_equal_plain_ones_however_far_they_got_ahead(scale):
   weights, batches = problem()
   pinned = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
-  runs = []
-  for ahead in (False, True):
+  runs = {}
+  for ahead in (None, 0, 8):  # Not speculative; speculative, with that many layers started.
     host = HostAdamW([jax.device_put(np.array(w), pinned) for w in weights],
                      learning_rate=schedule, **HYPER)
     for step, batch in enumerate(batches):
       pieces, _ = device_step_by_piece(host.params, batch)
-      host.hold(pieces, jnp.float32(scale))
-      if ahead and step >= 2:  # Started before the scale is read, the rest held.
-        host.apply_ahead([(0, layer) for layer in range(8)])
+      speculative = ahead is not None and step >= 2
+      host.hold(pieces, jnp.float32(scale), speculative=speculative)
+      if speculative:  # Started before the scale is read, the rest held.
+        host.apply_ahead([(0, layer) for layer in range(ahead)])
       host.apply_held()
-    runs.append(host.snapshot())
-    assert host.started_ahead == (4 if ahead else 0)
-    assert host.undone == (4 if ahead and scale != 1 else 0)
-  if scale != 1:
-    assert max_rel_diff(runs[1], runs[0]) <= 1e-6
+    runs[ahead] = host.snapshot()
+    assert (host.speculated, host.undone) == ((0, 0) if ahead is None else
+                                              (4, 0 if scale == 1 else 4))
+    assert host.last_grad_scale == scale
+  # The same arithmetic whichever pieces started: the result does not depend on timing.
+  assert all(np.array_equal(a, b) for a, b in zip(runs[0], runs[8]))
+  if scale != 1:  # Taken back and applied scaled: a few roundings from applying scaled.
+    assert 0 < max_rel_diff(runs[8], runs[None]) <= 1e-6
   else:
-    assert all(np.array_equal(a, b) for a, b in zip(*runs))
+    assert all(np.array_equal(a, b) for a, b in zip(runs[8], runs[None]))
+
+
+def test_only_a_speculative_update_can_start_ahead():
+  weights, batches = problem()
+  pinned = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+  host = HostAdamW([jax.device_put(np.array(w), pinned) for w in weights],
+                   learning_rate=schedule, **HYPER)
+  pieces, scale = device_step_by_piece(host.params, batches[0])
+  host.hold(pieces, scale)
+  with pytest.raises(ValueError, match=r"hold\(..., speculative=True\)"):
+    host.apply_ahead([(1, None)])
 
 
 def test_bfloat16_on_the_wire_equals_optax_at_bfloat16_weights():

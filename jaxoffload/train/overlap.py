@@ -15,8 +15,10 @@ After a step whose gradients were not clipped, the host also starts on the
 next step's update while the device still computes its backward pass, as if
 it would not clip either (``HostAdamW.apply_ahead``): the layers the backward
 pass sends first, the last ones, are updated before the device is done. When
-the step does clip, those updates are taken back and applied again, scaled;
-the host stops starting them once the gradients so far already clip.
+the step does clip, the update is taken back and applied again, scaled, by
+the same arithmetic however far the host had got (runs repeat exactly, and
+resume so: a checkpoint keeps the last step's clipping factor); the host
+stops starting pieces once the gradients so far already clip.
 """
 
 from __future__ import annotations
@@ -78,11 +80,8 @@ class OverlappedStep:
     self._update = jax.jit(self._apply_update, donate_argnums=(0, 1),
                            out_shardings=programs.update_shardings)
     self._compiled: dict[str, jax.stages.Compiled] = {}
-    optimizer = setup.config.optimizer
-    self._max_norm = optimizer.clip_grad
-    # The last step's clipping factor, while ahead starts are on: None for none.
-    self._last_clip_factor = None
-    self._starts_ahead = optimizer.speculate_cpu_optimizer_step
+    self._max_norm = setup.config.optimizer.clip_grad
+    self._speculates = setup.config.optimizer.speculate_cpu_optimizer_step
 
   def __call__(self, device_leaves: list, host: HostAdamW, opt_state: Any, tokens: jax.Array
                ) -> tuple[list, Any, jax.Array, jax.Array]:
@@ -155,19 +154,14 @@ class OverlappedStep:
     device_leaves, opt_state, loss, grad_norm, clip_factor = run(
         "update", self._update, (), device_leaves, opt_state, loss, device_grads, squares)
     if host is not None:
-      unclipped_before = self._last_step_unclipped()
-      host.hold(held, clip_factor)
-      if self._starts_ahead:
-        self._last_clip_factor = clip_factor
-      if unclipped_before:
+      host.apply_held()
+      # The guess that this step is not clipped either: a run that clips every step would
+      # take each update back.
+      speculative = self._speculates and host.last_grad_scale == 1.0
+      host.hold(held, clip_factor, speculative=speculative)
+      if speculative:
         self._apply_ahead(host, arrivals, grad_norm)
     return device_leaves, opt_state, loss, grad_norm
-
-  def _last_step_unclipped(self) -> bool:
-    """Whether the last step's gradients were known not to be clipped: the guess the host's
-    early start makes for this step (a run that clips every step would take each back)."""
-    last = self._last_clip_factor
-    return last is not None and host_arrays.read_scalar(jax.block_until_ready(last)) == 1.0
 
   def _apply_ahead(self, host: HostAdamW, arrivals: list, last_result: jax.Array) -> None:
     """Starts the host's update of the pieces the backward pass sends, in the order it sends
