@@ -113,8 +113,9 @@ class OptimizerConfig:
       false never does.
     speculate_cpu_optimizer_step: with that overlap, after a step whose gradients were
       not clipped, the host starts the next step's update during its backward pass as if
-      it would not clip either; a step that does clip has those updates taken back and
-      applied again, scaled (within a few float32 roundings of the plain update).
+      it would not clip either; a step that does clip has its update taken back and
+      applied again, scaled: within a few float32 roundings of the plain update, and the
+      same whatever the timing, so runs still repeat and resume exactly.
     offload_transfer_dtype: with host_kernel, the dtype in which the device reads the
       offloaded weights and sends their clipped gradients: bfloat16 halves both copies
       for the leaves the model multiplies in bfloat16 (norm scales stay float32);
