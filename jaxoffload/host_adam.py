@@ -23,6 +23,8 @@ import jax
 import ml_dtypes
 import numpy as np
 
+from jaxoffload import rounding
+
 try:
   import numba
 except ImportError:  # The in-graph transforms work without it.
@@ -50,24 +52,50 @@ def _round_to_bfloat16(x):
   return quiet_nan if x != x else rounded
 
 
+_HASH_1, _HASH_2 = rounding.HASH_MULTIPLIERS
+
+
+@numba.njit(inline="always") if numba else (lambda f: f)
+def _stochastic_bfloat16(x, salt):
+  # jaxoffload.rounding.stochastic_round, bit for bit: noise from a hash of the value's bits
+  # and the salt, added below the 16 bits bfloat16 keeps.
+  bits = np.float32(x).view(np.uint32)
+  h = np.uint32(bits ^ salt)
+  h = np.uint32(h ^ (h >> 16))
+  h = np.uint32(h * np.uint32(_HASH_1))
+  h = np.uint32(h ^ (h >> 15))
+  h = np.uint32(h * np.uint32(_HASH_2))
+  h = np.uint32(h ^ (h >> 16))
+  return np.uint16(np.uint32(bits + (h & 0xFFFF)) >> 16)
+
+
 @functools.cache
-def _step_kernel(grad_is_bf16: bool, has_copy: bool):
-  """The AdamW step compiled for one kind of gradient, with or without the bfloat16 copy: with
-  the choices fixed at compile time the loop has no branches, and vectorises."""
+def _step_kernel(grad_is_bf16: bool, has_copy: bool, mu_is_bf16: bool = False,
+                 nu_is_bf16: bool = False):
+  """The AdamW step compiled for one kind of gradient and of each moment, with or without the
+  bfloat16 copy: with the choices fixed at compile time the loop has no branches, and
+  vectorises."""
   _require_numba()
 
   @numba.njit(parallel=True, cache=True)
   def step(param, grad, copy, mu, nu, grad_scale, lr, b1, b2, one_minus_b1, one_minus_b2, eps,
-           weight_decay, bias1, bias2):
+           weight_decay, bias1, bias2, mu_salt, nu_salt):
     # Element by element, as optax.adamw: moments, bias correction, decoupled
     # weight decay, learning rate. Scalars are float32, so is the arithmetic.
-    # bfloat16 arrays come as their uint16 bits.
+    # bfloat16 arrays come as their uint16 bits; bfloat16 moments are stored rounded
+    # stochastically, the update computed from them before rounding (as jaxoffload.adam).
     for i in numba.prange(param.size):
       g = (_widen(grad[i]) if grad_is_bf16 else grad[i]) * grad_scale
-      m = b1 * mu[i] + one_minus_b1 * g
-      v = b2 * nu[i] + one_minus_b2 * (g * g)
-      mu[i] = m
-      nu[i] = v
+      m = b1 * (_widen(mu[i]) if mu_is_bf16 else mu[i]) + one_minus_b1 * g
+      v = b2 * (_widen(nu[i]) if nu_is_bf16 else nu[i]) + one_minus_b2 * (g * g)
+      if mu_is_bf16:
+        mu[i] = _stochastic_bfloat16(m, mu_salt)
+      else:
+        mu[i] = m
+      if nu_is_bf16:
+        nu[i] = _stochastic_bfloat16(v, nu_salt)
+      else:
+        nu[i] = v
       update = (m / bias1) / (np.float32(math.sqrt(v / bias2)) + eps) + weight_decay * param[i]
       new = param[i] - lr * update
       param[i] = new
@@ -165,7 +193,10 @@ def adamw_update(param: np.ndarray, grad: np.ndarray, mu: np.ndarray, nu: np.nda
   """One AdamW step on float32 arrays, in place, on every core numba may use.
 
   Args:
-    param, mu, nu: float32 arrays of one shape, C-contiguous; overwritten.
+    param: float32 weights, C-contiguous; overwritten.
+    mu, nu: the moments, of that shape, float32 or bfloat16 (each kept rounded
+      stochastically, bit for bit as ``jaxoffload.rounding.stochastic_round`` with
+      the device optimizer's salts); overwritten.
     grad: the gradient, float32 or bfloat16, of that shape.
     learning_rate: this step's learning rate.
     count: the step number, from 1, for the bias corrections.
@@ -181,16 +212,21 @@ def adamw_update(param: np.ndarray, grad: np.ndarray, mu: np.ndarray, nu: np.nda
   Example:
     >>> adamw_update(w, g, m, v, learning_rate=3e-4, count=1)
   """
-  _check_step_arrays(param, grad, mu, nu, copy, count)
-  grad_is_bf16 = grad.dtype == ml_dtypes.bfloat16
+  _check_step_arrays(param, grad, mu, nu, copy, count,
+                     moment_dtypes=(np.float32, ml_dtypes.bfloat16))
+  is_bf16 = [a.dtype == ml_dtypes.bfloat16 for a in (grad, mu, nu)]
+  flat = lambda a, bf16: _bits(a) if bf16 else a.reshape(-1)
   f32 = np.float32
-  _step_kernel(grad_is_bf16, copy is not None)(
-      param.reshape(-1), _bits(grad) if grad_is_bf16 else grad.reshape(-1),
-      np.zeros(1, np.uint16) if copy is None else _bits(copy), mu.reshape(-1), nu.reshape(-1),
+  _step_kernel(is_bf16[0], copy is not None, is_bf16[1], is_bf16[2])(
+      param.reshape(-1), flat(grad, is_bf16[0]),
+      np.zeros(1, np.uint16) if copy is None else _bits(copy), flat(mu, is_bf16[1]),
+      flat(nu, is_bf16[2]),
       # optax takes 1 - b1 in Python's float64 and rounds it once: 0.1, not
       # float32(1) - float32(0.9) = 0.100000024.
       f32(grad_scale), f32(learning_rate), f32(b1), f32(b2), f32(1 - b1), f32(1 - b2),
-      f32(eps), f32(weight_decay), f32(1 - b1**count), f32(1 - b2**count))
+      f32(eps), f32(weight_decay), f32(1 - b1**count), f32(1 - b2**count),
+      # jaxoffload.adam's salts: the moments' own, from the step count.
+      _salt(2 * count), _salt(2 * count + 1))
 
 
 def adamw_undo(param: np.ndarray, grad: np.ndarray, mu: np.ndarray, nu: np.ndarray, *,
@@ -226,14 +262,21 @@ def adamw_undo(param: np.ndarray, grad: np.ndarray, mu: np.ndarray, nu: np.ndarr
       f32(1 - b2**count))
 
 
+def _salt(value: int) -> np.uint32:
+  """``jaxoffload.rounding``'s salt for ``value``: spread by the golden ratio, in 32 bits."""
+  return np.uint32((value * rounding.GOLDEN) & 0xFFFFFFFF)
+
+
 def _bits(array: np.ndarray) -> np.ndarray:
   """A bfloat16 array's elements as their uint16 bits, flat: how the kernels take them."""
   return array.reshape(-1).view(np.uint16)
 
 
-def _check_step_arrays(param, grad, mu, nu, copy, count: int) -> None:
+def _check_step_arrays(param, grad, mu, nu, copy, count: int, *,
+                       moment_dtypes: tuple = (np.float32,)) -> None:
   """Raises ValueError naming the first of the step's arrays or ``count`` the kernel refuses."""
-  allowed = {"grad": (np.float32, ml_dtypes.bfloat16), "copy": (ml_dtypes.bfloat16,)}
+  allowed = {"grad": (np.float32, ml_dtypes.bfloat16), "copy": (ml_dtypes.bfloat16,),
+             "mu": moment_dtypes, "nu": moment_dtypes}
   arrays = {"param": param, "grad": grad, "mu": mu, "nu": nu, "copy": copy}
   for name, array in arrays.items():
     if array is not None:

@@ -74,7 +74,7 @@ def whole_copy(shards: Sequence[np.ndarray], like: jax.Array) -> jax.Array:
   process holds only some of the leaf's shards, placed like ``like`` (pinned, then)."""
   if not like.is_fully_addressable:
     return gather(shards, like)
-  whole = np.empty(like.shape, np.float32)
+  whole = np.empty(like.shape, like.dtype)
   indices = like.sharding.addressable_devices_indices_map(like.shape)
   for values, shard in zip(shards, sorted_shards(like)):
     whole[indices[shard.device]] = values
@@ -84,7 +84,7 @@ def whole_copy(shards: Sequence[np.ndarray], like: jax.Array) -> jax.Array:
 def gather(shards: Sequence[np.ndarray], like: jax.Array) -> jax.Array:
   """Per-shard numpy arrays as one JAX array placed like ``like``."""
   # Copies: device_put may keep using a numpy array's memory, and these change.
-  placed = [jax.device_put(values.copy(), jax.sharding.SingleDeviceSharding(
+  placed = [jax.device_put(values.astype(like.dtype), jax.sharding.SingleDeviceSharding(
       shard.device, memory_kind=like.sharding.memory_kind))
             for values, shard in zip(shards, sorted_shards(like))]
   return jax.make_array_from_single_device_arrays(like.shape, like.sharding, placed)

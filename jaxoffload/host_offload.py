@@ -56,23 +56,24 @@ Piece = tuple[int, Optional[int]]
 _SCHEDULE_TABLE = 1024
 
 
-def host_bytes_per_element(device_dtype: Any = jnp.float32, *, summed: bool = False
-                           ) -> tuple[int, int]:
+def host_bytes_per_element(device_dtype: Any = jnp.float32, *, summed: bool = False,
+                           moment_bytes: int = 8) -> tuple[int, int]:
   """The host bytes ``HostAdamW`` holds per element of a leaf, before it allocates them.
 
   Args:
     device_dtype: as ``HostAdamW``'s ``device_dtypes``, for the leaf.
     summed: whether ``accumulate`` sums micro-batches' gradients.
+    moment_bytes: both moments' bytes per element (``mu_dtype``'s and ``nu_dtype``'s).
 
   Returns:
     ``(pinned, unpinned)``: the float32 weights and the copies the device reads,
-    and the two float32 moments (with the gradients' float32 sums when ``summed``).
+    and the two moments (with the gradients' float32 sums when ``summed``).
 
   Example:
     >>> pinned, unpinned = host_bytes_per_element(jnp.bfloat16)  # (6, 8)
   """
   copy = 2 if jnp.dtype(device_dtype) == jnp.bfloat16 else 0  # As _place keeps them.
-  return 4 + copy, 8 + (4 if summed else 0)
+  return 4 + copy, moment_bytes + (4 if summed else 0)
 
 
 class HostAdamW:
@@ -87,15 +88,20 @@ class HostAdamW:
     device_dtypes: per leaf, the dtype the device reads its weights in and
       sends its gradient in: float32 (the default) or bfloat16 (see the
       module's docstring).
+    mu_dtype, nu_dtype: the moments' dtypes, float32 (the default) or
+      bfloat16, stored rounded stochastically as ``jaxoffload.adam`` rounds
+      them: fewer bytes for the kernel to read and write. Speculative updates
+      need float32 moments.
 
   Raises:
     ValueError: naming the leaf that is not float32, not in host memory, or
-      given another device dtype.
+      given another device dtype; or the moment dtype that is neither.
   """
 
   def __init__(self, params: Sequence[jax.Array], *, learning_rate: Schedule,
                b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-4,
-               device_dtypes: Optional[Sequence] = None):
+               device_dtypes: Optional[Sequence] = None, mu_dtype: Any = jnp.float32,
+               nu_dtype: Any = jnp.float32):
     device_dtypes = [jnp.float32] * len(params) if device_dtypes is None else device_dtypes
     if len(device_dtypes) != len(params):
       raise ValueError(f"device_dtypes has {len(device_dtypes)} entries for {len(params)} leaves")
@@ -106,14 +112,18 @@ class HostAdamW:
         raise ValueError(f"leaf {i} must be in pinned_host memory, not {p.sharding.memory_kind}")
       if jnp.dtype(dtype) not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"leaf {i}: the device reads float32 or bfloat16, not {jnp.dtype(dtype)}")
+    for name, dtype in (("mu_dtype", mu_dtype), ("nu_dtype", nu_dtype)):
+      if jnp.dtype(dtype) not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"{name} must be float32 or bfloat16, got {jnp.dtype(dtype)}")
     self._device_dtypes = [jnp.dtype(d) for d in device_dtypes]
     self._schedule = learning_rate if callable(learning_rate) else (lambda _: learning_rate)
     self._rates_start, self._rates = 0, self._schedule_table(0)
     self._hyper = dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
     self._place(params)
     # Only the host reads the moments: plain host memory, outside XLA's pinned pool.
-    self._mu = [[np.zeros_like(v) for v in views] for views in self._weight_views]
-    self._nu = [[np.zeros_like(v) for v in views] for views in self._weight_views]
+    self._mu = [[np.zeros(v.shape, mu_dtype) for v in views] for views in self._weight_views]
+    self._nu = [[np.zeros(v.shape, nu_dtype) for v in views] for views in self._weight_views]
+    self._float32_moments = jnp.dtype(mu_dtype) == jnp.dtype(nu_dtype) == jnp.float32
     # hold()'s gradients by piece not yet applied, their scale and learning rate.
     self._pieces: Optional[tuple[dict, Any, float]] = None
     # For a speculative hold, until its scale is read: the pieces apply_ahead applied.
@@ -247,6 +257,9 @@ class HostAdamW:
         back, updated scaled), however many were started: the result does not depend
         on how far the host got.
     """
+    if speculative and not self._float32_moments:
+      raise ValueError("speculative updates take back updates, which bfloat16 moments cannot "
+                       "do exactly: hold(..., speculative=False) or float32 moments")
     self.apply_held()
     self.count += 1
     self._pieces = (dict(grads), grad_scale, self._learning_rate(self.count - 1))
@@ -328,9 +341,9 @@ class HostAdamW:
   def checkpoint(self, *, copy: bool = True) -> dict:
     """The host state as JAX arrays in host memory, for orbax to save.
 
-    The float32 weights keep their shardings; the moments are whole arrays on the
-    CPU backend (placed like the weights where this process holds only some of a
-    leaf's shards).
+    The float32 weights keep their shardings; the moments are whole float32 arrays
+    (whatever their dtype here) on the CPU backend (placed like the weights where
+    this process holds only some of a leaf's shards).
 
     Args:
       copy: weights in new arrays that later updates leave alone. With False, the live

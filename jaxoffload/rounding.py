@@ -18,17 +18,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-# Multipliers of the "lowbias32" integer hash.
-_HASH_1, _HASH_2 = 0x7FEB352D, 0x846CA68B
+# Multipliers of the "lowbias32" integer hash (``jaxoffload.host_adam`` hashes as this does).
+HASH_MULTIPLIERS = (0x7FEB352D, 0x846CA68B)
 # Spreads consecutive salts (steps) over the hash's input.
-_GOLDEN = 0x9E3779B9
+GOLDEN = 0x9E3779B9
 
 
 def _hash(bits: jax.Array) -> jax.Array:
   bits = bits ^ (bits >> 16)
-  bits = bits * jnp.uint32(_HASH_1)
+  bits = bits * jnp.uint32(HASH_MULTIPLIERS[0])
   bits = bits ^ (bits >> 15)
-  bits = bits * jnp.uint32(_HASH_2)
+  bits = bits * jnp.uint32(HASH_MULTIPLIERS[1])
   return bits ^ (bits >> 16)
 
 
@@ -51,7 +51,7 @@ def stochastic_round(x: jax.Array, salt: Any, dtype: Any = jnp.bfloat16) -> jax.
   if jnp.dtype(dtype) != jnp.bfloat16:
     return x.astype(dtype)
   bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
-  salt = jnp.asarray(salt).astype(jnp.uint32) * jnp.uint32(_GOLDEN)
+  salt = jnp.asarray(salt).astype(jnp.uint32) * jnp.uint32(GOLDEN)
   noise = _hash(bits ^ salt) & jnp.uint32(0xFFFF)
   # bfloat16 keeps float32's upper 16 bits: adding noise below them carries into
   # them with probability (the cut-off bits) / 2**16, then the cut is exact.

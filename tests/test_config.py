@@ -197,10 +197,6 @@ def test_every_shipped_config_trains_at_a_tiny_width(path):
       "model.params_dtype=bfloat16"], "model.params_dtype must be float32, got 'bfloat16'"),
     (["optimizer.exp_avg_sq_dtype=float16"],
      "optimizer.exp_avg_sq_dtype must be one of [None, 'float32', 'bfloat16'], got 'float16'"),
-    (["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_update_on=host_kernel",
-      "optimizer.exp_avg_sq_dtype=bfloat16"],
-     "optimizer.exp_avg_sq_dtype=bfloat16: the host kernel keeps float32 moments; use "
-     "optimizer.optimizer_offload_update_on=device or host"),
 ])
 def test_host_kernel_settings_are_checked(overrides, message):
   with pytest.raises(ConfigError, match=re.escape(message)):

@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 
-from jaxoffload import host_adam
+from jaxoffload import host_adam, rounding
 
 HYPER = dict(b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
 SCHEDULE = [3e-3, 2e-3, 1e-3, 1e-3, 5e-4]
@@ -188,3 +188,24 @@ def test_an_undone_second_moment_never_goes_below_zero(problem):
   assert nu.min() >= 0.0 and nu.max() <= 1e-6 * np.max(grads[0] ** 2)
   with pytest.raises(ValueError, match="count must be at least 1"):
     host_adam.adamw_undo(param, grads[0], mu, nu, learning_rate=1e-2, count=0)
+
+
+def test_bfloat16_moments_round_stochastically_as_the_device_does(problem):
+  param, grads = problem
+  rng = np.random.default_rng(2)
+  mu = (0.1 * rng.standard_normal(param.shape)).astype(ml_dtypes.bfloat16)
+  nu = rng.random(param.shape).astype(ml_dtypes.bfloat16)
+  settings = dict(learning_rate=1e-2, count=7, **HYPER)
+  got = [param.copy(), mu.copy(), nu.copy()]
+  host_adam.adamw_update(got[0], grads[0], got[1], got[2], **settings)
+  # The update is float32 moments' (computed before rounding) ...
+  want = [param.copy(), mu.astype(np.float32), nu.astype(np.float32)]
+  host_adam.adamw_update(want[0], grads[0], want[1], want[2], **settings)
+  np.testing.assert_array_equal(got[0], want[0])
+  # ... and the moments are stored as jaxoffload.adam rounds them, salted by the step.
+  for stored, unrounded, salt in ((got[1], want[1], 14), (got[2], want[2], 15)):
+    device = np.asarray(rounding.stochastic_round(jnp.asarray(unrounded), salt))
+    np.testing.assert_array_equal(stored.view(np.uint16), device.view(np.uint16))
+    assert not np.array_equal(stored, unrounded.astype(ml_dtypes.bfloat16))  # Not nearest.
+  with pytest.raises(ValueError, match="mu must be float32, got bfloat16"):
+    host_adam.adamw_undo(*got[:1], grads[0], *got[1:], **settings)

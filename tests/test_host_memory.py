@@ -59,13 +59,15 @@ def test_the_arithmetic_counts_every_shard_the_trainer_places_in_host_memory():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("micro_batches", [1, 2])
-def test_the_host_kernel_arithmetic_is_what_it_allocates(micro_batches):
+@pytest.mark.parametrize("micro_batches, moments", [(1, "float32"), (2, "float32"),
+                                                    (1, "bfloat16")])
+def test_the_host_kernel_arithmetic_is_what_it_allocates(micro_batches, moments):
   setup = resolve(load_config(None, [
       "optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5",
       "optimizer.optimizer_offload_update_on=host_kernel", "model.dtype=bfloat16",
       "optimizer.offload_transfer_dtype=bfloat16", f"train.micro_batch_size={8 // micro_batches}",
-      "checkpoint.dir=/nonexistent/run"]))
+      "checkpoint.dir=/nonexistent/run", f"optimizer.exp_avg_dtype={moments}",
+      f"optimizer.exp_avg_sq_dtype={moments}"]))
   trainer = Trainer(setup)
   trainer.step(setup.global_batch(0))
   # A save copies the checkpoint's bytes, the host kernel's float32 weights and moments more.
@@ -80,9 +82,11 @@ def test_the_host_kernel_arithmetic_is_what_it_allocates(micro_batches):
     host_grads = trainer.programs.micro_step(trainer.params, trainer.host_params, trainer.programs.zero_sums(),
                                      tokens, 0, 0)[1]
   need = needed(setup)
-  # The moments, and the sums of the micro-batches' gradients: half the moments' bytes.
+  # The moments, and the float32 sums of the micro-batches' gradients.
   assert need.held["host kernel moments and sums"] == trainer.host.unpinned_bytes
-  assert trainer.host.unpinned_bytes == (1 + (micro_batches > 1) / 2) * trainer.host.moment_bytes
+  assert trainer.host.moment_bytes == trainer.host.weight_bytes * (2 if moments == "float32" else 1)
+  assert trainer.host.unpinned_bytes == (trainer.host.moment_bytes
+                                         + (micro_batches > 1) * trainer.host.weight_bytes)
   # The weights, their copies, and one step's gradients, or two micro-batches' in flight.
   assert need.held["host kernel weights and copies"] == (
       trainer.host.pinned_bytes + micro_batches * sum(g.nbytes for g in host_grads))

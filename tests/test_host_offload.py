@@ -6,6 +6,8 @@ import numpy as np
 import optax
 import pytest
 
+import jaxoffload
+
 from jaxoffload import host_arrays
 from jaxoffload._compat import to_device, to_host
 from jaxoffload.host_offload import HostAdamW
@@ -54,12 +56,12 @@ def optax_reference(weights, batches, *, device_dtypes=None):
   return weights
 
 
-def host_run(weights, batches, *, shardings=None, device_dtypes=None):
+def host_run(weights, batches, *, shardings=None, device_dtypes=None, **options):
   one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   shardings = shardings or [one_device] * len(weights)
   host = HostAdamW([jax.device_put(np.array(w), s.with_memory_kind("pinned_host"))
                     for w, s in zip(weights, shardings)],
-                   learning_rate=schedule, device_dtypes=device_dtypes, **HYPER)
+                   learning_rate=schedule, device_dtypes=device_dtypes, **HYPER, **options)
   for batch in batches:
     grads, scale = device_step(host.params, batch)
     host.update(grads, scale)
@@ -155,6 +157,32 @@ def test_bfloat16_on_the_wire_equals_optax_at_bfloat16_weights():
   assert max_rel_diff(got, host_run(weights, batches)) > 1e-4
 
 
+def test_bfloat16_moments_round_as_the_device_optimizer_rounds_them():
+  weights, batches = problem()
+  compact = dict(mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16)
+  opt = optax.chain(optax.clip_by_global_norm(CLIP),
+                    jaxoffload.offload_adamw(schedule, **HYPER, **compact, stochastic_rounding=True,
+                                             offload_fraction=0.0))
+  updates, (_, (state, *_)) = opt.update(jax.grad(loss_fn)(weights, batches[0]),
+                                         opt.init(weights), weights)
+  host = HostAdamW([to_host(w) for w in weights], learning_rate=schedule, **HYPER, **compact)
+  host.update(*device_step(host.params, batches[0]))
+  saved = host.checkpoint()
+  for name in ("mu", "nu"):  # One step from one state: the same bits.
+    for got, want in zip(saved[name], getattr(state, name)):
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want, np.float32))
+  assert max_rel_diff(host.snapshot(), optax.apply_updates(weights, updates)) <= 1e-6
+  # Over steps, a float32 rounding apart rounds a moment the other way: near float32's run.
+  float32 = optax_reference(weights, batches)
+  assert 1e-5 < max_rel_diff(host_run(weights, batches, **compact), float32) <= 1e-3
+  with pytest.raises(ValueError, match="speculative updates take back updates, which bfloat16"):
+    host = HostAdamW([to_host(w) for w in weights], learning_rate=1e-3, **compact)
+    host.hold({(0, None): to_host(weights[0]), (1, None): to_host(weights[1])},
+              speculative=True)
+  with pytest.raises(ValueError, match="nu_dtype must be float32 or bfloat16, got float16"):
+    HostAdamW([to_host(w) for w in weights], learning_rate=1e-3, nu_dtype=jnp.float16)
+
+
 def test_other_device_dtypes_are_refused():
   with pytest.raises(ValueError, match="leaf 1: the device reads float32 or bfloat16, not float16"):
     HostAdamW([to_host(jnp.zeros(4)), to_host(jnp.zeros(4))], learning_rate=1e-3,
@@ -178,15 +206,17 @@ def test_non_float32_weights_are_refused():
 
 
 @pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (the CPU backend has 8 in CI)")
-@pytest.mark.parametrize("device_dtypes", [None, [jnp.bfloat16, jnp.float32]],
-                         ids=["float32", "bfloat16"])
-def test_a_loaded_checkpoint_continues_exactly(device_dtypes):
+@pytest.mark.parametrize("device_dtypes, moment_dtype", [
+    (None, jnp.float32), ([jnp.bfloat16, jnp.float32], jnp.float32), (None, jnp.bfloat16)],
+    ids=["float32", "bfloat16", "bfloat16-moments"])
+def test_a_loaded_checkpoint_continues_exactly(device_dtypes, moment_dtype):
   weights, batches = problem()
   mesh = jax.make_mesh((4,), ("x",), devices=jax.devices()[:4])
   pinned = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x", None),
                                       memory_kind="pinned_host")
   make = lambda: HostAdamW([jax.device_put(np.array(w), pinned) for w in weights],
-                           learning_rate=schedule, device_dtypes=device_dtypes, **HYPER)
+                           learning_rate=schedule, device_dtypes=device_dtypes,
+                           mu_dtype=moment_dtype, nu_dtype=moment_dtype, **HYPER)
 
   def steps(host, batches):
     for batch in batches:

@@ -136,7 +136,9 @@ class OptimizerConfig:
       precision-aware optimizer); null: model.params_dtype. A bfloat16 moment of
       float32 parameters halves its memory, device or host, and is rounded
       stochastically (``jaxoffload.rounding``) so that training tracks float32
-      ([performance](performance.md#compact-optimizer-state)); not with host_kernel.
+      ([performance](performance.md#compact-optimizer-state)). The host kernel
+      rounds as the device does, bit for bit, and then never speculates
+      (speculate_cpu_optimizer_step).
     exp_avg_sq_dtype: the same for the second moment.
     main_params_dtype: dtype of the parameters the optimizer updates (Megatron-Core's
       name); null: model.params_dtype, which it must equal: jaxoffload keeps no second

@@ -105,7 +105,8 @@ def needed(setup: Setup) -> HostBytes:
     elements = local_elements(shape.shape, sharding)
     if off and setup.host_kernel:
       wire = next(transfer)
-      pinned, unpinned = host_bytes_per_element(wire, summed=setup.sums_on_host)
+      pinned, unpinned = host_bytes_per_element(wire, summed=setup.sums_on_host,
+                                                moment_bytes=moment_bytes)
       # Each step's gradients arrive in pinned memory; micro-batches summed on the host hold
       # one more (the next arrive while the last are added).
       grads = (2 if setup.sums_on_host else 1) * wire.itemsize

@@ -29,7 +29,12 @@ def optimizer(setup: Setup) -> optax.GradientTransformation:
   mu_dtype, nu_dtype = rules.moment_dtypes(setup.config)
   if setup.host_kernel:
     on_device = jax.tree.map(lambda offloaded: not offloaded, setup.offload.mask)
-    adamw = optax.masked(optax.adamw(setup.schedule, **hyper), on_device)
+    # The leaves the host kernel leaves on the device, with moments of the same dtypes.
+    device_adamw = (jaxoffload.offload_adamw(setup.schedule, **hyper, offload_fraction=0.0,
+                                             mu_dtype=mu_dtype, nu_dtype=nu_dtype,
+                                             stochastic_rounding=True) if compact
+                    else optax.adamw(setup.schedule, **hyper))
+    adamw = optax.masked(device_adamw, on_device)
   elif setup.offload is not None or compact:
     # With no offload, an empty mask: offload_adamw is optax.adamw with moment dtypes.
     mask = setup.offload.mask if setup.offload is not None else jax.tree.map(
@@ -47,8 +52,10 @@ def optimizer(setup: Setup) -> optax.GradientTransformation:
 def host_adamw(setup: Setup, weights: list[jax.Array]) -> HostAdamW:
   """The host kernel's optimizer for the offloaded leaves' float32 ``weights``."""
   o = setup.config.optimizer
+  mu_dtype, nu_dtype = rules.moment_dtypes(setup.config)
   return HostAdamW(weights, learning_rate=setup.schedule, b1=o.adam_beta1, b2=o.adam_beta2,
-                   eps=o.adam_eps, weight_decay=o.weight_decay, device_dtypes=setup.transfer_dtypes)
+                   eps=o.adam_eps, weight_decay=o.weight_decay, device_dtypes=setup.transfer_dtypes,
+                   mu_dtype=mu_dtype, nu_dtype=nu_dtype)
 
 
 class Moments(NamedTuple):

@@ -35,6 +35,7 @@ from jaxoffload import host_arrays, layered
 from jaxoffload._compat import DEVICE_KIND, to_device, to_host
 from jaxoffload.host_offload import HostAdamW
 from jaxoffload.model import group_name
+from jaxoffload.train import rules
 from jaxoffload.train.programs import StepPrograms
 
 
@@ -81,7 +82,9 @@ class OverlappedStep:
                            out_shardings=programs.update_shardings)
     self._compiled: dict[str, jax.stages.Compiled] = {}
     self._max_norm = setup.config.optimizer.clip_grad
-    self._speculates = setup.config.optimizer.speculate_cpu_optimizer_step
+    # An update is taken back exactly only from float32 moments.
+    self._speculates = (setup.config.optimizer.speculate_cpu_optimizer_step
+                        and not rules.compact_moments(setup.config))
 
   def __call__(self, device_leaves: list, host: HostAdamW, opt_state: Any, tokens: jax.Array
                ) -> tuple[list, Any, jax.Array, jax.Array]:

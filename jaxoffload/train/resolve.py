@@ -228,9 +228,8 @@ def _mesh(config: Config) -> jax.sharding.Mesh:
 
 
 def host_kernel_allowed(config: Config) -> bool:
-  """Whether the host kernel can hold this config's state: float32 weights and moments."""
-  return (config.model.params_dtype == "float32"
-          and rules.moment_dtypes(config) == ("float32", "float32"))
+  """Whether the host kernel can hold this config's state: float32 weights."""
+  return config.model.params_dtype == "float32"
 
 
 def price_updates(config: Config, offload: OffloadPlan, machine: autoplace.Machine, *,

@@ -231,11 +231,6 @@ def _check_host_kernel(config: Config) -> None:
       and blocker):
     raise ConfigError(f"optimizer.overlap_cpu_optimizer_d2h_h2d=True with the host kernel: "
                       f"{blocker}")
-  compact = [f"optimizer.{key}={getattr(o, key)}" for key in ("exp_avg_dtype", "exp_avg_sq_dtype")
-             if getattr(o, key) not in (None, "float32")]
-  if o.optimizer_cpu_offload and o.optimizer_offload_update_on == "host_kernel" and compact:
-    raise ConfigError(f"{' and '.join(compact)}: the host kernel keeps float32 moments; use "
-                      f"optimizer.optimizer_offload_update_on=device or host")
   if (o.optimizer_cpu_offload and o.optimizer_offload_update_on == "host_kernel"
       and m.params_dtype != "float32"):
     raise ConfigError("optimizer_offload_update_on=host_kernel keeps float32 weights on the "
