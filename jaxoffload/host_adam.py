@@ -77,7 +77,9 @@ def _step_kernel(grad_is_bf16: bool, has_copy: bool, mu_is_bf16: bool = False,
   vectorises."""
   _require_numba()
 
-  @numba.njit(parallel=True, cache=True)
+  # Without the GIL: the overlapped step runs it on a thread of its own while the main
+  # thread dispatches device programs.
+  @numba.njit(parallel=True, cache=True, nogil=True)
   def step(param, grad, copy, mu, nu, grad_scale, lr, b1, b2, one_minus_b1, one_minus_b2, eps,
            weight_decay, bias1, bias2, mu_salt, nu_salt):
     # Element by element, as optax.adamw: moments, bias correction, decoupled
@@ -110,7 +112,7 @@ def _undo_kernel(grad_is_bf16: bool):
   """``_step_kernel``'s step run backwards, for one kind of gradient."""
   _require_numba()
 
-  @numba.njit(parallel=True, cache=True)
+  @numba.njit(parallel=True, cache=True, nogil=True)
   def undo(param, grad, mu, nu, grad_scale, lr, b1, b2, one_minus_b1, one_minus_b2, eps, decay,
            bias1, bias2):
     # The step's update is a function of the new moments; the weight decay, a factor on the

@@ -16,11 +16,11 @@ when it did not come out of a bfloat16 matmul already.
 a piece at a time (a leaf, or one layer of a leaf stacked over layers): apply
 each piece just before dispatching the program that reads it, and the host
 updates the later layers while the device computes the first
-(``jaxoffload.train.overlap``). Held ``speculative``, pieces may also start
-before their gradients' scale (the clipping factor) is known, as if it were 1
-(``apply_ahead``): the host updates while the device still computes the
-backward pass. Should the scale not be 1, every piece is taken back
-(``host_adam.adamw_undo``) and applied again, scaled.
+(``jaxoffload.train.overlap``). ``apply_ahead`` starts the next update
+before its ``hold``, as the gradients arrive and before their scale (the
+clipping factor) is known, as if it were 1: the host updates while the device
+still computes the backward pass. Should the scale not be 1, every piece is
+taken back (``host_adam.adamw_undo``) and applied again, scaled.
 
 The update writes into JAX arrays behind JAX's back (``host_adam.writable_view``):
 keep to the loop below (dispatch the step, then ``update``), and never pass
@@ -126,7 +126,7 @@ class HostAdamW:
     self._float32_moments = jnp.dtype(mu_dtype) == jnp.dtype(nu_dtype) == jnp.float32
     # hold()'s gradients by piece not yet applied, their scale and learning rate.
     self._pieces: Optional[tuple[dict, Any, float]] = None
-    # For a speculative hold, until its scale is read: the pieces apply_ahead applied.
+    # The pieces apply_ahead applied, until their update's scale is read.
     self._ahead: Optional[dict] = None
     self.speculated = 0  # Updates held speculative.
     self.undone = 0  # Of those, the ones whose scale was not 1.
@@ -237,6 +237,37 @@ class HostAdamW:
     self._summed = True
     return squares
 
+  def apply_ahead(self, grads: Mapping[Piece, jax.Array]) -> None:
+    """Starts the next update before its ``hold``: applies these pieces' gradients as if
+    their scale were 1, waiting for each.
+
+    For the host to update while the device still computes the scale (global-norm
+    clipping's factor, 1 unless the gradients are clipped): call it as gradients arrive,
+    then ``hold(..., speculative=True)`` with every piece and the scale. If the scale is
+    not 1, the update ends within a few float32 roundings of applying it scaled at once
+    (``host_adam.adamw_undo``), by the same arithmetic however many pieces started here.
+
+    Raises:
+      ValueError: with bfloat16 moments (an undo would not be exact), or while the
+        last update is still held.
+
+    Example:
+      >>> host.apply_ahead({(0, 7): grads_of_layer_7})  # As the backward pass sends it.
+      >>> host.hold(all_pieces, clip_factor, speculative=True)
+    """
+    if not self._float32_moments:
+      raise ValueError("speculative updates take updates back, which bfloat16 moments cannot "
+                       "do exactly: keep float32 moments to apply ahead")
+    if self._pieces is not None:
+      raise ValueError("apply_ahead starts the next update: apply_held() the last one first")
+    if self._ahead is None:
+      self._ahead = {}
+    learning_rate = self._learning_rate(self.count)  # The next update's.
+    for piece, grad in grads.items():
+      jax.block_until_ready(grad)
+      self._apply_piece(piece, grad, 1.0, learning_rate, count=self.count + 1)
+      self._ahead[piece] = grad
+
   def hold(self, grads: Mapping[Piece, jax.Array], grad_scale: Union[float, jax.Array] = 1.0,
            *, speculative: bool = False) -> None:
     """Takes one step's gradients by piece, for ``apply_held`` to apply a piece at a time.
@@ -252,18 +283,25 @@ class HostAdamW:
     Args:
       grads: per piece, its gradient in host memory; together they cover every leaf once.
       grad_scale: as ``update``'s.
-      speculative: let ``apply_ahead`` start pieces before ``grad_scale`` is known. If it
-        is not 1, every piece then takes the same longer way (updated unscaled, taken
-        back, updated scaled), however many were started: the result does not depend
-        on how far the host got.
+      speculative: the pieces ``apply_ahead`` started belong to this update. If
+        ``grad_scale`` is not 1, every piece then takes the same longer way (updated
+        unscaled, taken back, updated scaled), however many had started: the result
+        does not depend on how far the host got.
+
+    Raises:
+      ValueError: for pieces applied ahead of an update not held speculative.
     """
+    if self._ahead is not None and not speculative:
+      raise ValueError("pieces were applied ahead of this update: hold(..., speculative=True)")
     if speculative and not self._float32_moments:
-      raise ValueError("speculative updates take back updates, which bfloat16 moments cannot "
-                       "do exactly: hold(..., speculative=False) or float32 moments")
+      raise ValueError("speculative updates take updates back, which bfloat16 moments cannot "
+                       "do exactly: hold(..., speculative=False)")
     self.apply_held()
     self.count += 1
-    self._pieces = (dict(grads), grad_scale, self._learning_rate(self.count - 1))
-    self._ahead = {} if speculative else None
+    ahead = self._ahead or {}
+    self._pieces = ({piece: g for piece, g in grads.items() if piece not in ahead}, grad_scale,
+                    self._learning_rate(self.count - 1))
+    self._ahead = ahead if speculative else None
     self.speculated += speculative
 
   def apply_held(self, pieces: Optional[Iterable[Piece]] = None) -> None:
@@ -303,36 +341,6 @@ class HostAdamW:
     grads.update(ahead)
     for piece, grad in grads.items():
       self._apply_piece(piece, grad, 1.0, learning_rate, undo=True)
-
-  def apply_ahead(self, pieces: Iterable[Piece]) -> None:
-    """Applies the held gradients of ``pieces`` as if their scale were 1, before it is known,
-    waiting for each gradient; pieces already applied or not held are skipped.
-
-    For the host to update while the device still computes the scale (global-norm clipping's
-    factor, 1 unless the gradients are clipped) of a ``hold(..., speculative=True)``. The
-    next ``apply_held`` (or ``hold``, ``finish``) reads it; if it is not 1, the update
-    ends within a few float32 roundings of applying it scaled at once
-    (``host_adam.adamw_undo``).
-
-    Raises:
-      ValueError: when the held update is not speculative.
-
-    Example:
-      >>> host.hold({(0, layer): g for layer, g in enumerate(layer_grads)}, clip_factor,
-      ...           speculative=True)
-      >>> host.apply_ahead([(0, 7), (0, 6)])  # As the backward pass sends them.
-    """
-    if self._pieces is None:
-      return
-    if self._ahead is None:
-      raise ValueError("apply_ahead starts a speculative update: hold(..., speculative=True)")
-    grads, _, learning_rate = self._pieces
-    for piece in pieces:
-      grad = grads.pop(piece, None)
-      if grad is not None:
-        jax.block_until_ready(grad)
-        self._apply_piece(piece, grad, 1.0, learning_rate)
-        self._ahead[piece] = grad
 
   def finish(self) -> None:
     """Applies the held gradients, if any, so that ``params`` has every update."""
@@ -418,9 +426,10 @@ class HostAdamW:
       self._apply_piece((leaf, None), grad, scale, learning_rate)
 
   def _apply_piece(self, piece: Piece, grad: Union[jax.Array, list], scale: float,
-                   learning_rate: float, *, undo: bool = False) -> None:
-    """Applies a leaf's gradient, or one layer's of a stacked leaf (``piece``); with ``undo``,
-    takes that back."""
+                   learning_rate: float, *, undo: bool = False, count: Optional[int] = None
+                   ) -> None:
+    """Applies a leaf's gradient, or one layer's of a stacked leaf (``piece``), as update
+    ``count`` (default ``self.count``); with ``undo``, takes that back."""
     leaf, layer = piece
     weights, copies = self._weight_views[leaf], self._copy_views[leaf]
     part = (lambda views: views) if layer is None else (lambda views: views[layer])
@@ -429,7 +438,7 @@ class HostAdamW:
     for shard, grad_view in enumerate(views):
       arrays = (part(weights[shard]), grad_view, part(self._mu[leaf][shard]),
                 part(self._nu[leaf][shard]))
-      settings = dict(learning_rate=learning_rate, count=self.count, grad_scale=scale,
+      settings = dict(learning_rate=learning_rate, count=count or self.count, grad_scale=scale,
                       **self._hyper)
       if undo:
         host_adam.adamw_undo(*arrays, **settings)

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+import queue
+import threading
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -142,43 +144,31 @@ class OverlappedStep:
     loss, dx, shared_embed, head_grads = run("head", self._head_step, (),
                                              {name: leaves(name) for name in self.head}, x,
                                              tokens)
-    held, arrivals, device_grads = {}, [], {}
-    self._collect(head_grads, held, arrivals, device_grads)
+    held, squares, device_grads = {}, [], {}
+    if host is not None:
+      host.apply_held()  # The last step's pieces the forward programs did not read.
+    # The guess that this step is not clipped either: a run that clips every step would
+    # take each update back.
+    ahead = (_Speculation(host, self._max_norm, self._backward_running)
+             if host is not None and self._speculates and host.last_grad_scale == 1.0 else None)
+    collect = functools.partial(self._collect, held=held, squares=squares,
+                                device_grads=device_grads, ahead=ahead)
+    collect(head_grads)
     # A group's layers share the first one's pullback structure: one compile per group.
     first = {name: structure for name, index, structure, _ in saved if index == 0}
     while saved:  # Each layer's activations go as its backward program ends.
       name, index, _, pullback_leaves = saved.pop()
       dx, grads = run(f"backward {name}", self._backward, (name, first[name]), pullback_leaves,
                       dx)
-      self._collect(grads, held, arrivals, device_grads, index)
-    self._collect(run("embed backward", self._embed_backward, (), embed_pullback, dx,
-                      shared_embed), held, arrivals, device_grads)
-    squares = [square_sum for _, square_sum in arrivals]
+      collect(grads, index=index)
+    collect(run("embed backward", self._embed_backward, (), embed_pullback, dx, shared_embed))
     device_leaves, opt_state, loss, grad_norm, clip_factor = run(
         "update", self._update, (), device_leaves, opt_state, loss, device_grads, squares)
+    if ahead is not None:
+      ahead.finish(grad_norm)
     if host is not None:
-      host.apply_held()
-      # The guess that this step is not clipped either: a run that clips every step would
-      # take each update back.
-      speculative = self._speculates and host.last_grad_scale == 1.0
-      host.hold(held, clip_factor, speculative=speculative)
-      if speculative:
-        self._apply_ahead(host, arrivals, grad_norm)
+      host.hold(held, clip_factor, speculative=ahead is not None)
     return device_leaves, opt_state, loss, grad_norm
-
-  def _apply_ahead(self, host: HostAdamW, arrivals: list, last_result: jax.Array) -> None:
-    """Starts the host's update of the pieces the backward pass sends, in the order it sends
-    them, while the device still computes the step (``last_result``, in device memory, not
-    ready); stops once their norm alone clips. The rest wait for the next step's forward
-    pass."""
-    squares = 0.0
-    for pieces, square_sum in arrivals:
-      if not self._backward_running(last_result):
-        return
-      squares += host_arrays.read_scalar(jax.block_until_ready(square_sum))
-      if squares >= self._max_norm**2:
-        return
-      host.apply_ahead(pieces)
 
   @staticmethod
   def _backward_running(last_result: jax.Array) -> bool:
@@ -189,15 +179,17 @@ class OverlappedStep:
     """The host kernel's pieces of parameter ``name`` (layer ``index`` of a group's)."""
     return [(leaf, index) for leaf in self.host_ids.get(name, [])]
 
-  def _collect(self, grads: dict, held: dict, arrivals: list, device_grads: dict,
-               index: Any = None) -> None:
-    """Files a program's gradients: the host kernel's by piece, in ``held`` and, with the sum
-    of their squares, in ``arrivals``; the rest by name."""
+  def _collect(self, grads: dict, *, held: dict, squares: list, device_grads: dict,
+               ahead: Optional[_Speculation], index: Any = None) -> None:
+    """Files a program's gradients: the host kernel's by piece in ``held`` (and to ``ahead``,
+    with the sum of their squares), the rest by name."""
     for name, (host, square_sum, device) in grads.items():
-      pieces = self._pieces(name, index)
-      held.update(zip(pieces, host))
-      arrivals.append((pieces, square_sum))
+      pieces = dict(zip(self._pieces(name, index), host))
+      held.update(pieces)
+      squares.append(square_sum)
       device_grads.setdefault(name, []).append(device)
+      if ahead is not None:
+        ahead.send(pieces, square_sum)
 
   def _params(self, name: str, device: list, host: list, index: Any = None) -> Any:
     """Parameter ``name``'s tree on the device from its leaves (layer ``index`` of a group's)."""
@@ -260,3 +252,49 @@ class OverlappedStep:
       for position, g in zip(self.device_ids.get(name, []), leaves):
         grads[position] = g
     return self.programs.apply_sums(device_leaves, opt_state, (loss, grads), sum(squares))
+
+
+class _Speculation:
+  """The host's start on a step's update during its backward pass, on a thread of its own,
+  while the main thread dispatches the backward programs (``HostAdamW.apply_ahead``).
+
+  It takes the pieces in the order the backward pass sends them, and stops once the device
+  has finished the step (``backward_running``) or the gradients so far clip: the rest wait
+  for the next step's forward pass.
+  """
+
+  def __init__(self, host: HostAdamW, max_norm: float,
+               backward_running: Callable[[jax.Array], bool]):
+    self._arrivals: queue.SimpleQueue = queue.SimpleQueue()
+    self._last_result: Optional[jax.Array] = None  # Set once every program is dispatched.
+    self._error: Optional[BaseException] = None
+    self._thread = threading.Thread(target=self._run, args=(host, max_norm**2, backward_running),
+                                    daemon=True)
+    self._thread.start()
+
+  def send(self, grads: dict, square_sum: jax.Array) -> None:
+    """Hands over a program's host gradients by piece, and the sum of their squares."""
+    self._arrivals.put((grads, square_sum))
+
+  def finish(self, last_result: jax.Array) -> None:
+    """Waits for the thread, told that the step ends with ``last_result``."""
+    self._last_result = last_result
+    self._arrivals.put(None)
+    self._thread.join()
+    if self._error is not None:
+      raise self._error
+
+  def _run(self, host: HostAdamW, limit: float, backward_running) -> None:
+    squares = 0.0
+    try:
+      while (arrival := self._arrivals.get()) is not None:
+        last = self._last_result
+        if last is not None and not backward_running(last):
+          return
+        grads, square_sum = arrival
+        squares += host_arrays.read_scalar(jax.block_until_ready(square_sum))
+        if squares >= limit:
+          return
+        host.apply_ahead(grads)
+    except BaseException as error:  # Raised again on the main thread, by finish().
+      self._error = error
