@@ -11,10 +11,13 @@ The update is the single program's (exact, the same clipping); only when the
 host applies it moves. A step's host gradients leave the device as each
 layer's backward program ends.
 
-After a step whose gradients were not clipped, the host also starts on the
-next step's update while the device still computes its backward pass, as if
-it would not clip either (``HostAdamW.apply_ahead``): the layers the backward
-pass sends first, the last ones, are updated before the device is done. When
+With ``optimizer.speculate_cpu_optimizer_step`` (off by default; see
+docs/performance.md#optimizer-offload for why), after a step whose gradients
+were not clipped, the host also starts on the next step's update while the
+device still computes its backward pass, as if it would not clip either
+(``HostAdamW.apply_ahead``, on a thread of its own while the main thread
+dispatches): the layers the backward pass sends first, the last ones, are
+updated before the device is done. When
 the step does clip, the update is taken back and applied again, scaled, by
 the same arithmetic however far the host had got (runs repeat exactly, and
 resume so: a checkpoint keeps the last step's clipping factor); the host
