@@ -5,7 +5,8 @@ numba kernel uses them all (docs/performance.md#host-adam). This module is
 that kernel: ``adamw_update`` applies one AdamW step to float32 arrays in
 place, with optax.adamw's arithmetic, using every core numba is allowed; it
 also takes bfloat16 gradients and writes a bfloat16 copy of the new weights,
-for a device that reads and sends half the bytes.
+for a device that reads and sends half the bytes, and keeps the moments in
+float32 or bfloat16. ``adamw_undo`` takes an update back.
 
 It works on numpy arrays. ``writable_view`` gives one over the memory of a
 single-shard JAX array in host memory, so the kernel can update JAX's pinned

@@ -69,9 +69,9 @@ def shard_values(values: Any, like: jax.Array) -> list[np.ndarray]:
 
 
 def whole_copy(shards: Sequence[np.ndarray], like: jax.Array) -> jax.Array:
-  """A copy of per-shard numpy arrays cut like ``like``, as a JAX array: whole on the CPU
-  backend, outside XLA's pinned pool (which never gives memory back); or, where this
-  process holds only some of the leaf's shards, placed like ``like`` (pinned, then)."""
+  """A copy of per-shard numpy arrays cut like ``like``, as a JAX array of its dtype: whole on
+  the CPU backend, outside XLA's pinned pool (which never gives memory back); or, where
+  this process holds only some of the leaf's shards, placed like ``like`` (pinned, then)."""
   if not like.is_fully_addressable:
     return gather(shards, like)
   whole = np.empty(like.shape, like.dtype)
