@@ -145,6 +145,7 @@ def test_the_host_kernel_overlaps_the_next_forward_pass_wherever_it_can():
 
 # The tiny model's gradient norms over 8 steps: 0.81 0.74 0.79 0.91 0.86 1.1 1.38 1.42. At
 # clip_grad=1, steps 2-6 start early, after an unclipped step, and step 6 clips.
+@SLOW
 @pytest.mark.parametrize("clip_grad, speculated, undone", [(1e6, 7, 0), (1.0, 5, 1)])
 def test_updates_started_during_the_backward_pass_equal_those_started_after_it(
     clip_grad, speculated, undone, monkeypatch):
