@@ -17,11 +17,11 @@ were not clipped, the host also starts on the next step's update while the
 device still computes its backward pass, as if it would not clip either
 (``HostAdamW.apply_ahead``, on a thread of its own while the main thread
 dispatches): the layers the backward pass sends first, the last ones, are
-updated before the device is done. When
-the step does clip, the update is taken back and applied again, scaled, by
-the same arithmetic however far the host had got (runs repeat exactly, and
-resume so: a checkpoint keeps the last step's clipping factor); the host
-stops starting pieces once the gradients so far already clip.
+updated before the device is done. When the step does clip, the update is
+taken back and applied again, scaled, by the same arithmetic however far the
+host had got (runs repeat exactly, and resume so: a checkpoint keeps the last
+step's clipping factor); the host stops starting pieces once the gradients so
+far already clip.
 """
 
 from __future__ import annotations
