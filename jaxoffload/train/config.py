@@ -116,7 +116,7 @@ class OptimizerConfig:
       thread of its own, as if it would not clip either; a step that does clip has its
       update taken back and applied again, scaled: within a few float32 roundings of the
       plain update, and the same whatever the timing, so runs still repeat and resume
-      exactly. Off by default: on the H200 machine it made steps slower
+      exactly. Off by default: whether it pays depends on the host's cores
       ([performance](performance.md#optimizer-offload)).
     offload_transfer_dtype: with host_kernel, the dtype in which the device reads the
       offloaded weights and sends their clipped gradients: bfloat16 halves both copies
