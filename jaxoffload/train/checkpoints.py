@@ -92,14 +92,14 @@ def save(checkpoints: ocp.CheckpointManager, step: int, trainer: Trainer) -> Non
   Raises:
     ConfigError: naming the directory and why, when this save or the one before failed.
   """
+  state = trainer.checkpoint()  # Applies what the host still holds.
   meta = {"step": step, "config": dataclasses.asdict(trainer.setup.config)}
   if trainer.host is not None:  # Whether the next update may start speculatively.
-    trainer.host.apply_held()
     meta["host_last_grad_scale"] = trainer.host.last_grad_scale
   with _writing(checkpoints):
     checkpoints.save(step, args=ocp.args.Composite(
         meta=ocp.args.JsonSave(meta), **{name: ocp.args.PyTreeSave(tree)
-                                        for name, tree in trainer.checkpoint().items()}))
+                                        for name, tree in state.items()}))
     if trainer.setup.state_in_host_memory:
       checkpoints.wait_until_finished()
 
