@@ -174,18 +174,6 @@ def test_updates_started_during_the_backward_pass_equal_those_started_after_it(
 
 
 @SLOW
-def test_bfloat16_moments_on_the_host_train_as_on_the_device():
-  # Their rounding, bit for bit, is tests/test_host_offload.py's; here the trainer's wiring.
-  compact = [f"train.train_iters={STEPS}", "optimizer.exp_avg_dtype=bfloat16",
-             "optimizer.exp_avg_sq_dtype=bfloat16"]
-  device = train(load_config(None, compact), log=QUIET)
-  host = train(load_config(None, [*compact, *HOST_KERNEL]), log=QUIET)
-  assert device[-1] < device[0]
-  # A float32 rounding apart, a moment can round the other way: not bit for bit.
-  np.testing.assert_allclose(host, device, rtol=1e-4)
-
-
-@SLOW
 def test_an_overlapped_update_of_a_shared_embedding_sums_both_its_gradients():
   shared = [f"train.train_iters={STEPS}", "model.share_embeddings_and_output_weights=True"]
   whole_model = train(load_config(None, shared), log=QUIET)
