@@ -16,11 +16,7 @@ when it did not come out of a bfloat16 matmul already.
 a piece at a time (a leaf, or one layer of a leaf stacked over layers): apply
 each piece just before dispatching the program that reads it, and the host
 updates the later layers while the device computes the first
-(``jaxoffload.train.overlap``). ``apply_ahead`` starts the next update
-before its ``hold``, as the gradients arrive and before their scale (the
-clipping factor) is known, as if it were 1: the host updates while the device
-still computes the backward pass. Should the scale not be 1, every piece is
-taken back (``host_adam.adamw_undo``) and applied again, scaled.
+(``jaxoffload.train.overlap``).
 
 The update writes into JAX arrays behind JAX's back (``host_adam.writable_view``):
 keep to the loop below (dispatch the step, then ``update``), and never pass
@@ -90,8 +86,7 @@ class HostAdamW:
       module's docstring).
     mu_dtype, nu_dtype: the moments' dtypes, float32 (the default) or
       bfloat16, stored rounded stochastically as ``jaxoffload.adam`` rounds
-      them: fewer bytes for the kernel to read and write. Speculative updates
-      need float32 moments.
+      them: fewer bytes for the kernel to read and write.
 
   Raises:
     ValueError: naming the leaf that is not float32, not in host memory, or
@@ -123,14 +118,8 @@ class HostAdamW:
     # Only the host reads the moments: plain host memory, outside XLA's pinned pool.
     self._mu = [[np.zeros(v.shape, mu_dtype) for v in views] for views in self._weight_views]
     self._nu = [[np.zeros(v.shape, nu_dtype) for v in views] for views in self._weight_views]
-    self._float32_moments = jnp.dtype(mu_dtype) == jnp.dtype(nu_dtype) == jnp.float32
     # hold()'s gradients by piece not yet applied, their scale and learning rate.
     self._pieces: Optional[tuple[dict, Any, float]] = None
-    # The pieces apply_ahead applied, until their update's scale is read.
-    self._ahead: Optional[dict] = None
-    self.speculated = 0  # Updates held speculative.
-    self.undone = 0  # Of those, the ones whose scale was not 1.
-    self.last_grad_scale: Optional[float] = None  # The scale of the last update applied.
     # Per leaf and shard, the float32 sums of accumulate(); _summed: they hold this step's.
     self._sums: Optional[list[list[np.ndarray]]] = None
     self._summed = False
@@ -237,39 +226,8 @@ class HostAdamW:
     self._summed = True
     return squares
 
-  def apply_ahead(self, grads: Mapping[Piece, jax.Array]) -> None:
-    """Starts the next update before its ``hold``: applies these pieces' gradients as if
-    their scale were 1, waiting for each.
-
-    For the host to update while the device still computes the scale (global-norm
-    clipping's factor, 1 unless the gradients are clipped): call it as gradients arrive,
-    then ``hold(..., speculative=True)`` with every piece and the scale. If the scale is
-    not 1, the update ends within a few float32 roundings of applying it scaled at once
-    (``host_adam.adamw_undo``), by the same arithmetic however many pieces started here.
-
-    Raises:
-      ValueError: with bfloat16 moments (an undo would not be exact), or while the
-        last update is still held.
-
-    Example:
-      >>> host.apply_ahead({(0, 7): grads_of_layer_7})  # As the backward pass sends it.
-      >>> host.hold(all_pieces, clip_factor, speculative=True)
-    """
-    if not self._float32_moments:
-      raise ValueError("speculative updates take updates back, which bfloat16 moments cannot "
-                       "do exactly: keep float32 moments to apply ahead")
-    if self._pieces is not None:
-      raise ValueError("apply_ahead starts the next update: apply_held() the last one first")
-    if self._ahead is None:
-      self._ahead = {}
-    learning_rate = self._learning_rate(self.count)  # The next update's.
-    for piece, grad in grads.items():
-      jax.block_until_ready(grad)
-      self._apply_piece(piece, grad, 1.0, learning_rate, count=self.count + 1)
-      self._ahead[piece] = grad
-
-  def hold(self, grads: Mapping[Piece, jax.Array], grad_scale: Union[float, jax.Array] = 1.0,
-           *, speculative: bool = False) -> None:
+  def hold(self, grads: Mapping[Piece, jax.Array], grad_scale: Union[float, jax.Array] = 1.0
+           ) -> None:
     """Takes one step's gradients by piece, for ``apply_held`` to apply a piece at a time.
 
     An exact update spread over the next device step: apply each piece just
@@ -283,26 +241,10 @@ class HostAdamW:
     Args:
       grads: per piece, its gradient in host memory; together they cover every leaf once.
       grad_scale: as ``update``'s.
-      speculative: the pieces ``apply_ahead`` started belong to this update. If
-        ``grad_scale`` is not 1, every piece then takes the same longer way (updated
-        unscaled, taken back, updated scaled), however many had started: the result
-        does not depend on how far the host got.
-
-    Raises:
-      ValueError: for pieces applied ahead of an update not held speculative.
     """
-    if self._ahead is not None and not speculative:
-      raise ValueError("pieces were applied ahead of this update: hold(..., speculative=True)")
-    if speculative and not self._float32_moments:
-      raise ValueError("speculative updates take updates back, which bfloat16 moments cannot "
-                       "do exactly: hold(..., speculative=False)")
     self.apply_held()
     self.count += 1
-    ahead = self._ahead or {}
-    self._pieces = ({piece: g for piece, g in grads.items() if piece not in ahead}, grad_scale,
-                    self._learning_rate(self.count - 1))
-    self._ahead = ahead if speculative else None
-    self.speculated += speculative
+    self._pieces = (dict(grads), grad_scale, self._learning_rate(self.count - 1))
 
   def apply_held(self, pieces: Optional[Iterable[Piece]] = None) -> None:
     """Applies the held gradients of ``pieces`` (None: all still held), waiting for them;
@@ -315,32 +257,13 @@ class HostAdamW:
     if self._pieces is None:
       return
     grads, scale, learning_rate = self._pieces
-    if self._ahead is not None:
-      self._settle(grads, scale, learning_rate)
     for piece in list(grads) if pieces is None else pieces:
       grad = grads.pop(piece, None)
       if grad is not None:
         jax.block_until_ready((grad, scale))
-        self.last_grad_scale = host_arrays.read_scalar(scale)
-        self._apply_piece(piece, grad, self.last_grad_scale, learning_rate)
+        self._apply_piece(piece, grad, host_arrays.read_scalar(scale), learning_rate)
     if not grads:
       self._pieces = None
-
-  def _settle(self, grads: dict, scale: Any, learning_rate: float) -> None:
-    """Reads a speculative hold's scale; unless it is 1, takes back every piece's unscaled
-    update (making it first where ``apply_ahead`` had not), to apply scaled."""
-    ahead, self._ahead = self._ahead, None
-    jax.block_until_ready(scale)
-    self.last_grad_scale = host_arrays.read_scalar(scale)
-    if self.last_grad_scale == 1.0:
-      return
-    self.undone += 1
-    for piece, grad in grads.items():
-      jax.block_until_ready(grad)
-      self._apply_piece(piece, grad, 1.0, learning_rate)
-    grads.update(ahead)
-    for piece, grad in grads.items():
-      self._apply_piece(piece, grad, 1.0, learning_rate, undo=True)
 
   def finish(self) -> None:
     """Applies the held gradients, if any, so that ``params`` has every update."""
@@ -419,29 +342,22 @@ class HostAdamW:
     """Applies ``grads`` to the weights in place, once they are ready: the step that read the
     weights has then finished, and the next is not yet dispatched."""
     jax.block_until_ready((grads, grad_scale))
-    scale = self.last_grad_scale = host_arrays.read_scalar(grad_scale)
+    scale = host_arrays.read_scalar(grad_scale)
     self.count += 1
     learning_rate = self._learning_rate(self.count - 1)
     for leaf, grad in enumerate(grads):
       self._apply_piece((leaf, None), grad, scale, learning_rate)
 
   def _apply_piece(self, piece: Piece, grad: Union[jax.Array, list], scale: float,
-                   learning_rate: float, *, undo: bool = False, count: Optional[int] = None
-                   ) -> None:
-    """Applies a leaf's gradient, or one layer's of a stacked leaf (``piece``), as update
-    ``count`` (default ``self.count``); with ``undo``, takes that back."""
+                   learning_rate: float) -> None:
+    """Applies a leaf's gradient, or one layer's of a stacked leaf (``piece``)."""
     leaf, layer = piece
     weights, copies = self._weight_views[leaf], self._copy_views[leaf]
     part = (lambda views: views) if layer is None else (lambda views: views[layer])
     # A leaf's gradient: an array in host memory, or a sum's shards.
     views = grad if isinstance(grad, list) else host_arrays.shard_views(grad)
     for shard, grad_view in enumerate(views):
-      arrays = (part(weights[shard]), grad_view, part(self._mu[leaf][shard]),
-                part(self._nu[leaf][shard]))
-      settings = dict(learning_rate=learning_rate, count=count or self.count, grad_scale=scale,
-                      **self._hyper)
-      if undo:
-        host_adam.adamw_undo(*arrays, **settings)
-      else:
-        host_adam.adamw_update(*arrays, copy=None if copies is None else part(copies[shard]),
-                               **settings)
+      host_adam.adamw_update(part(weights[shard]), grad_view, part(self._mu[leaf][shard]),
+                             part(self._nu[leaf][shard]), learning_rate=learning_rate,
+                             count=self.count, grad_scale=scale,
+                             copy=None if copies is None else part(copies[shard]), **self._hyper)

@@ -107,47 +107,6 @@ def test_held_pieces_update_as_the_whole_step_does():
   assert max_rel_diff(whole, optax_reference(weights, batches)) <= 1e-6
 
 
-@pytest.mark.parametrize("scale", [1.0, 0.5])
-def test_speculative_updates_equal_plain_ones_however_far_they_got_ahead(scale):
-  weights, batches = problem()
-  pinned = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
-  runs = {}
-  for ahead in (None, 0, 8):  # Not speculative; speculative, with that many layers started.
-    host = HostAdamW([jax.device_put(np.array(w), pinned) for w in weights],
-                     learning_rate=schedule, **HYPER)
-    for step, batch in enumerate(batches):
-      pieces, _ = device_step_by_piece(host.params, batch)
-      speculative = ahead is not None and step >= 2
-      if speculative:  # Started before the scale is known, the rest held.
-        host.apply_ahead({(0, layer): pieces[0, layer] for layer in range(ahead)})
-      host.hold(pieces, jnp.float32(scale), speculative=speculative)
-      host.apply_held()
-    runs[ahead] = host.snapshot()
-    assert (host.speculated, host.undone) == ((0, 0) if ahead is None else
-                                              (4, 0 if scale == 1 else 4))
-    assert host.last_grad_scale == scale
-  # The same arithmetic whichever pieces started: the result does not depend on timing.
-  assert all(np.array_equal(a, b) for a, b in zip(runs[0], runs[8]))
-  if scale != 1:  # Taken back and applied scaled: a few roundings from applying scaled.
-    assert 0 < max_rel_diff(runs[8], runs[None]) <= 1e-6
-  else:
-    assert all(np.array_equal(a, b) for a, b in zip(runs[8], runs[None]))
-
-
-def test_pieces_applied_ahead_belong_to_a_speculative_update():
-  weights, batches = problem()
-  pinned = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
-  host = HostAdamW([jax.device_put(np.array(w), pinned) for w in weights],
-                   learning_rate=schedule, **HYPER)
-  pieces, scale = device_step_by_piece(host.params, batches[0])
-  host.apply_ahead({(1, None): pieces[1, None]})
-  with pytest.raises(ValueError, match=r"applied ahead of this update: hold\(..., speculative"):
-    host.hold(pieces, scale)
-  host.hold(pieces, scale, speculative=True)
-  with pytest.raises(ValueError, match=r"apply_held\(\) the last one first"):
-    host.apply_ahead({(1, None): pieces[1, None]})
-
-
 def test_bfloat16_on_the_wire_equals_optax_at_bfloat16_weights():
   # The device reads leaf 0 rounded to bfloat16 and sends its gradient in
   # bfloat16; the host's float32 weights take optax's update of that gradient.
@@ -183,12 +142,6 @@ def test_bfloat16_moments_round_as_the_device_optimizer_rounds_them():
   # Over steps, a float32 rounding apart rounds a moment the other way: near float32's run.
   float32 = optax_reference(weights, batches)
   assert 1e-5 < max_rel_diff(host_run(weights, batches, **compact), float32) <= 1e-3
-  host = HostAdamW([to_host(w) for w in weights], learning_rate=1e-3, **compact)
-  with pytest.raises(ValueError, match="speculative updates take updates back, which bfloat16"):
-    host.apply_ahead({(0, None): to_host(weights[0])})
-  with pytest.raises(ValueError, match="speculative updates take updates back, which bfloat16"):
-    host.hold({(0, None): to_host(weights[0]), (1, None): to_host(weights[1])},
-              speculative=True)
   with pytest.raises(ValueError, match="nu_dtype must be float32 or bfloat16, got float16"):
     HostAdamW([to_host(w) for w in weights], learning_rate=1e-3, nu_dtype=jnp.float16)
 

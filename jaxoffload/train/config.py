@@ -111,13 +111,6 @@ class OptimizerConfig:
       reads it, while the device computes the layers before it: null (the default) does
       so wherever it can (one micro-batch a step, no weights offload), true insists,
       false never does.
-    speculate_cpu_optimizer_step: with that overlap, after a step whose gradients were
-      not clipped, the host starts the next step's update during its backward pass, on a
-      thread of its own, as if it would not clip either; a step that does clip has its
-      update taken back and applied again, scaled: within a few float32 roundings of the
-      plain update, and the same whatever the timing, so runs still repeat and resume
-      exactly. Off by default: whether it pays depends on the host's cores
-      ([performance](performance.md#optimizer-offload)).
     offload_transfer_dtype: with host_kernel, the dtype in which the device reads the
       offloaded weights and sends their clipped gradients: bfloat16 halves both copies
       for the leaves the model multiplies in bfloat16 (norm scales stay float32);
@@ -139,8 +132,7 @@ class OptimizerConfig:
       float32 parameters halves its memory, device or host, and is rounded
       stochastically (``jaxoffload.rounding``) so that training tracks float32
       ([performance](performance.md#compact-optimizer-state)). The host kernel
-      rounds as the device does, bit for bit, and then never speculates
-      (speculate_cpu_optimizer_step).
+      rounds as the device does, bit for bit.
     exp_avg_sq_dtype: the same for the second moment.
     main_params_dtype: dtype of the parameters the optimizer updates (Megatron-Core's
       name); null: model.params_dtype, which it must equal: jaxoffload keeps no second
@@ -167,7 +159,6 @@ class OptimizerConfig:
   optimizer_offload_fraction: Union[float, str] = 0.0
   optimizer_offload_update_on: str = "device"
   overlap_cpu_optimizer_d2h_h2d: Optional[bool] = None
-  speculate_cpu_optimizer_step: bool = False
   offload_transfer_dtype: str = "float32"
   accumulate_offloaded_grads_on: str = "host"
   grad_accum_dtype: Optional[str] = None

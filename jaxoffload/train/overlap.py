@@ -10,37 +10,22 @@ the device computes the first layers while the host updates the later ones.
 The update is the single program's (exact, the same clipping); only when the
 host applies it moves. A step's host gradients leave the device as each
 layer's backward program ends.
-
-With ``optimizer.speculate_cpu_optimizer_step`` (off by default; see
-docs/performance.md#optimizer-offload for why), after a step whose gradients
-were not clipped, the host also starts on the next step's update while the
-device still computes its backward pass, as if it would not clip either
-(``HostAdamW.apply_ahead``, on a thread of its own while the main thread
-dispatches): the layers the backward pass sends first, the last ones, are
-updated before the device is done. When the step does clip, the update is
-taken back and applied again, scaled, by the same arithmetic however far the
-host had got (runs repeat exactly, and resume so: a checkpoint keeps the last
-step's clipping factor); the host stops starting pieces once the gradients so
-far already clip.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import queue
-import threading
-from typing import Any, Callable, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxoffload import host_arrays, layered
+from jaxoffload import layered
 from jaxoffload._compat import DEVICE_KIND, to_device, to_host
 from jaxoffload.host_offload import HostAdamW
 from jaxoffload.model import group_name
-from jaxoffload.train import rules
 from jaxoffload.train.programs import StepPrograms
 
 
@@ -86,10 +71,6 @@ class OverlappedStep:
     self._update = jax.jit(self._apply_update, donate_argnums=(0, 1),
                            out_shardings=programs.update_shardings)
     self._compiled: dict[str, jax.stages.Compiled] = {}
-    self._max_norm = setup.config.optimizer.clip_grad
-    # An update is taken back exactly only from float32 moments.
-    self._speculates = (setup.config.optimizer.speculate_cpu_optimizer_step
-                        and not rules.compact_moments(setup.config))
 
   def __call__(self, device_leaves: list, host: HostAdamW, opt_state: Any, tokens: jax.Array
                ) -> tuple[list, Any, jax.Array, jax.Array]:
@@ -148,51 +129,33 @@ class OverlappedStep:
                                              {name: leaves(name) for name in self.head}, x,
                                              tokens)
     held, squares, device_grads = {}, [], {}
-    if host is not None:
-      host.apply_held()  # The last step's pieces the forward programs did not read.
-    # The guess that this step is not clipped either: a run that clips every step would
-    # take each update back.
-    ahead = (_Speculation(host, self._max_norm, self._backward_running)
-             if host is not None and self._speculates and host.last_grad_scale == 1.0 else None)
-    collect = functools.partial(self._collect, held=held, squares=squares,
-                                device_grads=device_grads, ahead=ahead)
-    collect(head_grads)
+    self._collect(head_grads, held, squares, device_grads)
     # A group's layers share the first one's pullback structure: one compile per group.
     first = {name: structure for name, index, structure, _ in saved if index == 0}
     while saved:  # Each layer's activations go as its backward program ends.
       name, index, _, pullback_leaves = saved.pop()
       dx, grads = run(f"backward {name}", self._backward, (name, first[name]), pullback_leaves,
                       dx)
-      collect(grads, index=index)
-    collect(run("embed backward", self._embed_backward, (), embed_pullback, dx, shared_embed))
+      self._collect(grads, held, squares, device_grads, index)
+    self._collect(run("embed backward", self._embed_backward, (), embed_pullback, dx,
+                      shared_embed), held, squares, device_grads)
     device_leaves, opt_state, loss, grad_norm, clip_factor = run(
         "update", self._update, (), device_leaves, opt_state, loss, device_grads, squares)
-    if ahead is not None:
-      ahead.finish(grad_norm)
     if host is not None:
-      host.hold(held, clip_factor, speculative=ahead is not None)
+      host.hold(held, clip_factor)
     return device_leaves, opt_state, loss, grad_norm
-
-  @staticmethod
-  def _backward_running(last_result: jax.Array) -> bool:
-    """Whether the device still computes the step that ends with ``last_result``."""
-    return not last_result.is_ready()
 
   def _pieces(self, name: str, index: Any = None) -> list[tuple[int, Any]]:
     """The host kernel's pieces of parameter ``name`` (layer ``index`` of a group's)."""
     return [(leaf, index) for leaf in self.host_ids.get(name, [])]
 
-  def _collect(self, grads: dict, *, held: dict, squares: list, device_grads: dict,
-               ahead: Optional[_Speculation], index: Any = None) -> None:
-    """Files a program's gradients: the host kernel's by piece in ``held`` (and to ``ahead``,
-    with the sum of their squares), the rest by name."""
+  def _collect(self, grads: dict, held: dict, squares: list, device_grads: dict,
+               index: Any = None) -> None:
+    """Files a program's gradients: the host kernel's by piece, the rest by name."""
     for name, (host, square_sum, device) in grads.items():
-      pieces = dict(zip(self._pieces(name, index), host))
-      held.update(pieces)
+      held.update(zip(self._pieces(name, index), host))
       squares.append(square_sum)
       device_grads.setdefault(name, []).append(device)
-      if ahead is not None:
-        ahead.send(pieces, square_sum)
 
   def _params(self, name: str, device: list, host: list, index: Any = None) -> Any:
     """Parameter ``name``'s tree on the device from its leaves (layer ``index`` of a group's)."""
@@ -255,49 +218,3 @@ class OverlappedStep:
       for position, g in zip(self.device_ids.get(name, []), leaves):
         grads[position] = g
     return self.programs.apply_sums(device_leaves, opt_state, (loss, grads), sum(squares))
-
-
-class _Speculation:
-  """The host's start on a step's update during its backward pass, on a thread of its own,
-  while the main thread dispatches the backward programs (``HostAdamW.apply_ahead``).
-
-  It takes the pieces in the order the backward pass sends them, and stops once the device
-  has finished the step (``backward_running``) or the gradients so far clip: the rest wait
-  for the next step's forward pass.
-  """
-
-  def __init__(self, host: HostAdamW, max_norm: float,
-               backward_running: Callable[[jax.Array], bool]):
-    self._arrivals: queue.SimpleQueue = queue.SimpleQueue()
-    self._last_result: Optional[jax.Array] = None  # Set once every program is dispatched.
-    self._error: Optional[BaseException] = None
-    self._thread = threading.Thread(target=self._run, args=(host, max_norm**2, backward_running),
-                                    daemon=True)
-    self._thread.start()
-
-  def send(self, grads: dict, square_sum: jax.Array) -> None:
-    """Hands over a program's host gradients by piece, and the sum of their squares."""
-    self._arrivals.put((grads, square_sum))
-
-  def finish(self, last_result: jax.Array) -> None:
-    """Waits for the thread, told that the step ends with ``last_result``."""
-    self._last_result = last_result
-    self._arrivals.put(None)
-    self._thread.join()
-    if self._error is not None:
-      raise self._error
-
-  def _run(self, host: HostAdamW, limit: float, backward_running) -> None:
-    squares = 0.0
-    try:
-      while (arrival := self._arrivals.get()) is not None:
-        last = self._last_result
-        if last is not None and not backward_running(last):
-          return
-        grads, square_sum = arrival
-        squares += host_arrays.read_scalar(jax.block_until_ready(square_sum))
-        if squares >= limit:
-          return
-        host.apply_ahead(grads)
-    except BaseException as error:  # Raised again on the main thread, by finish().
-      self._error = error
