@@ -6,7 +6,9 @@ Both exact placements add copies and work to every step that nothing hides:
   go back, one direction at a time.
 - ``host_kernel``: the offloaded leaves' weights come to the device and their
   gradients go back (in float32, or bfloat16 with ``offload_transfer_dtype``),
-  then the host's cores update weights and moments.
+  then the host's cores update weights and moments. Where the trainer
+  overlaps that update with the next forward pass (``jaxoffload.train.overlap``),
+  only the kernel's time beyond the forward pass adds to the step.
 
 ``measure_machine`` times one copy each way and one call of the host kernel;
 ``choose`` prices each placement and picks the cheaper; within ``TIE`` of each
@@ -113,7 +115,7 @@ def measure_machine(device: jax.Device | None = None) -> Machine:
 
 def choose(machine: Machine, *, offloaded_elements: int, moment_bytes_per_element: int,
            transfer_bytes_per_element: int, local_elements: int | None = None,
-           host_kernel: bool = True) -> Choice:
+           host_kernel: bool = True, overlap_s: float = 0.0) -> Choice:
   """Prices the exact placements and picks the cheaper (the host kernel in a tie).
 
   Args:
@@ -128,6 +130,9 @@ def choose(machine: Machine, *, offloaded_elements: int, moment_bytes_per_elemen
       ``offloaded_elements``.
     host_kernel: whether the host kernel is a candidate (numba installed,
       float32 parameters).
+    overlap_s: seconds of device work the host kernel's update runs under (the
+      next step's forward pass, where the trainer overlaps them): the kernel's
+      time up to it adds nothing.
 
   Returns:
     A ``Choice``; ``str(choice)`` is the line to show the user.
@@ -137,7 +142,7 @@ def choose(machine: Machine, *, offloaded_elements: int, moment_bytes_per_elemen
   if host_kernel and machine.kernel_rate is not None:
     local = offloaded_elements if local_elements is None else local_elements
     predicted["host_kernel"] = (link(offloaded_elements * transfer_bytes_per_element)
-                                + local / machine.kernel_rate)
+                                + max(0.0, local / machine.kernel_rate - overlap_s))
   fastest = min(predicted, key=predicted.get)
   if "host_kernel" in predicted and predicted["host_kernel"] <= (1 + TIE) * predicted[fastest]:
     fastest = "host_kernel"

@@ -3,11 +3,13 @@
 import math
 import re
 
+import jax
 import numpy as np
 import pytest
 
 from jaxoffload import autoplace
-from jaxoffload.train import load_config, train
+from jaxoffload.train import load_config, metrics, resolve, train
+from jaxoffload.train.resolve import forward_seconds, price_updates
 
 # A machine like the H200's (docs/performance.md): 54 GB/s each way, the host
 # kernel at 4.4 G params/s on 16 threads.
@@ -50,6 +52,52 @@ def test_the_host_kernel_counts_every_local_shard():
                for n in (1, 4))
   assert four.predicted_s["host_kernel"] - one.predicted_s["host_kernel"] == pytest.approx(
       3 * 10**8 / 4.4e9)
+
+
+def test_an_overlapped_host_kernel_adds_only_its_time_beyond_the_forward_pass():
+  priced = lambda overlap_s: autoplace.choose(
+      H200, offloaded_elements=10**9, moment_bytes_per_element=8, transfer_bytes_per_element=2,
+      overlap_s=overlap_s).predicted_s["host_kernel"]
+  link = 2 * 10**9 * 2 / 54e9
+  assert priced(0.1) == pytest.approx(link + 10**9 / 4.4e9 - 0.1)
+  assert priced(1.0) == pytest.approx(link)  # The whole update hidden: only the copies.
+
+
+# TinyLlama-1.1B's elements offloaded at fractions 0.25, 0.5 and 1.0 (the leaves'
+# achieved shares), and its forward pass of 8 x 2048 tokens at 40% of the H200's peak.
+@pytest.mark.parametrize("elements", [277_217_280, 530_579_456, 1_100_048_384])
+@pytest.mark.parametrize("transfer_bytes", [2, 4])
+def test_the_overlapped_host_kernel_is_chosen_at_every_fraction_of_the_1b(elements,
+                                                                          transfer_bytes):
+  choice = autoplace.choose(H200, offloaded_elements=elements, moment_bytes_per_element=8,
+                            transfer_bytes_per_element=transfer_bytes, overlap_s=0.09)
+  assert choice.place == "host_kernel"
+  assert choice.predicted_s["host_kernel"] < choice.predicted_s["device"]
+
+
+def test_the_trainer_prices_the_overlap_where_it_overlaps(monkeypatch):
+  # The CPU given a peak, so that its forward pass has a price.
+  monkeypatch.setitem(metrics.PEAK_FLOPS, jax.devices()[0].device_kind, (989e12, 494e12))
+  base = ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=1.0",
+          "model.dtype=bfloat16", "train.global_batch_size=4", "train.micro_batch_size=4"]
+  setup = resolve(load_config(None, base))
+  model = setup.config.model
+  # Each device's share of the step's FLOPs, a third of which the forward pass does.
+  flops = (4 * model.seq_length * metrics.flops_per_token(setup.model, model.seq_length)
+           / jax.device_count())
+  forward = forward_seconds(setup.config)
+  assert forward == pytest.approx(flops / 3 / (989e12 * 0.4))
+
+  def host_kernel_s(*more):
+    setup = resolve(load_config(None, [*base, *more]))
+    return price_updates(setup.config, setup.offload, H200, host_kernel=True
+                         ).predicted_s["host_kernel"]
+
+  # The tiny model's forward pass is far shorter than its kernel time: all of it is saved.
+  assert forward < setup.offload.offloaded_elements / 4.4e9
+  for not_overlapped in ("optimizer.overlap_cpu_optimizer_d2h_h2d=False",
+                         "train.micro_batch_size=2"):
+    assert host_kernel_s(not_overlapped) - host_kernel_s() == pytest.approx(forward)
 
 
 @pytest.mark.parametrize("machine, host_kernel", [

@@ -52,13 +52,20 @@ def test_a_run_on_the_tiny_model_writes_json_table_and_plots(tmp_path):
   run_bench("--steps", "3", "--out", out, "--settings", "baseline again,optimizer 0.5 device")
   first = json.loads((tmp_path / "tiny.json").read_text())["results"]
   # A second run resumes: the settings measured stay, the missing one runs.
-  printed = run_bench("--steps", "3", "--out", out, "--resume",
-                      "--settings", "baseline again,optimizer 0.5 device,activations 2 layers")
+  auto = ("auto placement=optimizer.optimizer_cpu_offload=True "
+          "optimizer.optimizer_offload_fraction=0.5 optimizer.optimizer_offload_update_on=auto")
+  printed = run_bench("--steps", "3", "--out", out, "--resume", "--settings",
+                      "baseline again,optimizer 0.5 device,activations 2 layers", "--setting", auto)
   assert "resumed 3 settings" in printed
   report = json.loads((tmp_path / "tiny.json").read_text())
   assert [r["step_s"] for r in report["results"][:3]] == [r["step_s"] for r in first]
   names = [r["setting"] for r in report["results"]]
-  assert names == ["baseline", "baseline again", "optimizer 0.5 device", "activations 2 layers"]
+  assert names == ["baseline", "baseline again", "optimizer 0.5 device", "activations 2 layers",
+                   "auto placement"]
+  # What auto chose, with its prices, as the trainer showed it.
+  assert [r["choices"] for r in report["results"][2:4]] == [[], []]
+  [chosen] = report["results"][4]["choices"]
+  assert chosen.startswith("optimizer_offload_update_on=auto chose ")
   assert report["meta"]["device"] and report["meta"]["jax"] and report["meta"]["steps"] == 3
   for r in report["results"]:
     assert len(r["losses"]) == 3 and len(r["step_s"]) == 3

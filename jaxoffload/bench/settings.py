@@ -75,6 +75,8 @@ def measure(config_path: Optional[str], overrides: list[str]) -> dict:
           config.model.seq_length),
       "pinned_host_bytes": last.pinned_host_bytes,
       "peak_host_rss_bytes": peak_host_rss_bytes(),
+      # What each auto setting chose and why (optimizer_offload_update_on=auto's prices).
+      "choices": list(result.setup.choices),
       "device": jax.devices()[0].device_kind, "device_count": jax.device_count(),
       "jax": jax.__version__,
   }

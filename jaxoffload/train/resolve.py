@@ -25,7 +25,7 @@ from jaxoffload.model import Llama, LlamaConfig, compute_dtypes, group_name
 from jaxoffload.params import abstract_params, logical_param_specs
 from jaxoffload.placement import OffloadPlan, leaf_path, plan_offload
 from jaxoffload.remat import LayerGroup
-from jaxoffload.train import data, rules
+from jaxoffload.train import data, metrics, rules
 from jaxoffload.train.config import Config, ConfigError
 
 
@@ -81,8 +81,7 @@ class Setup:
     """Whether the host kernel's update overlaps the next step's forward pass, a program per
     layer (``train.overlap``): unless ``optimizer.overlap_cpu_optimizer_d2h_h2d=False``,
     wherever it can (``rules.host_update_overlap_blocker``)."""
-    return (self.host_kernel and self.config.optimizer.overlap_cpu_optimizer_d2h_h2d is not False
-            and rules.host_update_overlap_blocker(self.config) is None)
+    return self.host_kernel and rules.host_update_overlaps(self.config)
 
   @property
   def sums_on_host(self) -> bool:
@@ -232,10 +231,30 @@ def host_kernel_allowed(config: Config) -> bool:
   return config.model.params_dtype == "float32"
 
 
+# The share of the device's peak a forward pass is priced at, where the host kernel's update
+# hides under it: about the MFU of the trainer's own baselines
+# (docs/performance.md#optimizer-offload).
+_FORWARD_MFU = 0.4
+
+
+def forward_seconds(config: Config) -> float:
+  """About how long one device takes for a step's forward pass of ``config``: its FLOPs at
+  ``_FORWARD_MFU`` of the device's peak; 0 where the peak is unknown (CPUs)."""
+  peak = metrics.peak_flops(jax.devices()[0], config.model.dtype)
+  if not peak:
+    return 0.0
+  t = config.train
+  tokens = t.global_batch_size * config.model.seq_length / jax.device_count()
+  # A third of a training step's FLOPs: the backward pass does twice the forward's work.
+  flops = tokens * metrics.flops_per_token(config.model.llama(), config.model.seq_length) / 3
+  return flops / (peak * _FORWARD_MFU)
+
+
 def price_updates(config: Config, offload: OffloadPlan, machine: autoplace.Machine, *,
                   host_kernel: bool) -> autoplace.Choice:
   """What each exact update placement adds to a step of ``config`` with ``offload``, on
-  ``machine`` (the host kernel priced only where ``host_kernel`` and the config allow it)."""
+  ``machine`` (the host kernel priced only where ``host_kernel`` and the config allow it,
+  and under the next forward pass where the trainer would overlap it)."""
   o = config.optimizer
   # Each device copies its own shards; the host kernel updates all of this process's (the
   # mesh's devices are spread evenly over the processes).
@@ -247,7 +266,8 @@ def price_updates(config: Config, offload: OffloadPlan, machine: autoplace.Machi
       moment_bytes_per_element=sum(jnp.dtype(d).itemsize for d in rules.moment_dtypes(config)),
       transfer_bytes_per_element=jnp.dtype(o.offload_transfer_dtype).itemsize,
       local_elements=per_device * local_devices,
-      host_kernel=host_kernel and host_kernel_allowed(config))
+      host_kernel=host_kernel and host_kernel_allowed(config),
+      overlap_s=forward_seconds(config) if rules.host_update_overlaps(config) else 0.0)
 
 
 def _resolve_update_place(config: Config, offload: Optional[OffloadPlan]

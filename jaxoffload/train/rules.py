@@ -201,6 +201,14 @@ def _check_optimizer(config: Config) -> None:
                       f"optimizer state alike)")
 
 
+def host_update_overlaps(config: Config) -> bool:
+  """Whether a host kernel update of ``config`` overlaps the next step's forward pass, a
+  program per layer: unless ``optimizer.overlap_cpu_optimizer_d2h_h2d=False``, wherever
+  it can (``host_update_overlap_blocker``)."""
+  return (config.optimizer.overlap_cpu_optimizer_d2h_h2d is not False
+          and host_update_overlap_blocker(config) is None)
+
+
 def host_update_overlap_blocker(config: Config) -> Optional[str]:
   """Why the host kernel's update cannot overlap the next forward pass a program per layer
   (``train.overlap``), or None where it can: it needs one micro-batch a step and weights on
