@@ -107,6 +107,21 @@ def test_held_pieces_update_as_the_whole_step_does():
   assert max_rel_diff(whole, optax_reference(weights, batches)) <= 1e-6
 
 
+def test_a_profiler_trace_names_each_piece_the_host_updates(tmp_path):
+  weights, batches = problem()
+  host = HostAdamW([to_host(w) for w in weights], learning_rate=schedule, **HYPER)
+  pieces, scale = device_step_by_piece(host.params, batches[0])
+  host.hold(pieces, scale)
+  with jax.profiler.trace(str(tmp_path)):
+    host.apply_held()
+  [trace] = tmp_path.glob("**/*.xplane.pb")
+  named = [dict(event.stats) for plane in jax.profiler.ProfileData.from_file(str(trace)).planes
+           for line in plane.lines for event in line.events if event.name == "HostAdamW update"]
+  # (leaf, layer), -1 for a whole leaf.
+  assert sorted((e["leaf"], e["layer"]) for e in named) == sorted(
+      (leaf, -1 if layer is None else layer) for leaf, layer in pieces)
+
+
 def test_bfloat16_on_the_wire_equals_optax_at_bfloat16_weights():
   # The device reads leaf 0 rounded to bfloat16 and sends its gradient in
   # bfloat16; the host's float32 weights take optax's update of that gradient.

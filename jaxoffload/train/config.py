@@ -251,7 +251,8 @@ class LoggingConfig:
     tensorboard_dir: a directory for TensorBoard event files of the same figures
       (needs tensorboardX: pip install 'jaxoffload[metrics]').
     profile_dir: a directory for a ``jax.profiler`` trace of profile_steps steps from
-      profile_start_step (TensorBoard's or Perfetto's trace viewer reads it).
+      profile_start_step (TensorBoard's or Perfetto's trace viewer reads it); the host
+      kernel's updates show in it as "HostAdamW update", with their leaf and layer.
     profile_start_step: the first step traced.
     profile_steps: how many steps are traced.
   """
