@@ -102,9 +102,9 @@ class OptimizerConfig:
       host_kernel (ZeRO-Offload's split: the chosen leaves' float32 weights and moments
       live on the host and ``jaxoffload.host_adam``'s multi-threaded kernel updates them
       between device steps; needs numba and float32 parameters), or auto (the trainer
-      times this machine's link and host kernel, prices device and host_kernel, the
-      host kernel's time under the next forward pass free where the update overlaps it,
-      takes the cheaper and prints why: ``jaxoffload.autoplace``).
+      times this machine's link and host kernel, prices device and host_kernel (where
+      the host kernel's update overlaps the next forward pass, its time under that pass
+      costs nothing), takes the cheaper and prints why: ``jaxoffload.autoplace``).
     overlap_cpu_optimizer_d2h_h2d: with optimizer_offload_update_on=device, true fetches
       each streamed piece of state while the previous one updates (double buffering, one
       more piece of device memory). With host_kernel, the model runs a program per layer
