@@ -168,7 +168,7 @@ def adamw_update(param: np.ndarray, grad: np.ndarray, mu: np.ndarray, nu: np.nda
                  learning_rate: float, count: int, b1: float = 0.9, b2: float = 0.999,
                  eps: float = 1e-8, weight_decay: float = 1e-4, grad_scale: float = 1.0,
                  copy: np.ndarray | None = None) -> None:
-  """One AdamW step on float32 arrays, in place, on every core numba may use.
+  """One AdamW step on float32 weights and their moments, in place, on every core numba may use.
 
   Args:
     param: float32 weights, C-contiguous; overwritten.

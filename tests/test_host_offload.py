@@ -7,7 +7,6 @@ import optax
 import pytest
 
 import jaxoffload
-
 from jaxoffload import host_arrays
 from jaxoffload._compat import to_device, to_host
 from jaxoffload.host_offload import HostAdamW

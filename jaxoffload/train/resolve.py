@@ -243,8 +243,7 @@ def forward_seconds(config: Config) -> float:
   peak = metrics.peak_flops(jax.devices()[0], config.model.dtype)
   if not peak:
     return 0.0
-  t = config.train
-  tokens = t.global_batch_size * config.model.seq_length / jax.device_count()
+  tokens = config.train.global_batch_size * config.model.seq_length / jax.device_count()
   # A third of a training step's FLOPs: the backward pass does twice the forward's work.
   flops = tokens * metrics.flops_per_token(config.model.llama(), config.model.seq_length) / 3
   return flops / (peak * _FORWARD_MFU)
