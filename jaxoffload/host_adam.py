@@ -78,7 +78,8 @@ def _step_kernel(grad_is_bf16: bool, has_copy: bool, mu_is_bf16: bool = False,
   vectorises."""
   _require_numba()
 
-  @numba.njit(parallel=True, cache=True)
+  # nogil: HostAdamW's background thread updates while the caller's dispatches.
+  @numba.njit(parallel=True, cache=True, nogil=True)
   def step(param, grad, copy, mu, nu, grad_scale, lr, b1, b2, one_minus_b1, one_minus_b2, eps,
            weight_decay, bias1, bias2, mu_salt, nu_salt):
     # Element by element, as optax.adamw: moments, bias correction, decoupled

@@ -34,6 +34,7 @@ Example:
 
 from __future__ import annotations
 
+import concurrent.futures
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import jax
@@ -120,6 +121,9 @@ class HostAdamW:
     self._nu = [[np.zeros(v.shape, nu_dtype) for v in views] for views in self._weight_views]
     # hold()'s gradients by piece not yet applied, their scale and learning rate.
     self._pieces: Optional[tuple[dict, Any, float]] = None
+    # With hold(order=...): per piece, done once the background thread has applied it.
+    self._applied: Optional[dict[Piece, concurrent.futures.Future]] = None
+    self._background: Optional[concurrent.futures.ThreadPoolExecutor] = None
     # Per leaf and shard, the float32 sums of accumulate(); _summed: they hold this step's.
     self._sums: Optional[list[list[np.ndarray]]] = None
     self._summed = False
@@ -226,8 +230,8 @@ class HostAdamW:
     self._summed = True
     return squares
 
-  def hold(self, grads: Mapping[Piece, jax.Array], grad_scale: Union[float, jax.Array] = 1.0
-           ) -> None:
+  def hold(self, grads: Mapping[Piece, jax.Array], grad_scale: Union[float, jax.Array] = 1.0,
+           *, order: Optional[Sequence[Piece]] = None) -> None:
     """Takes one step's gradients by piece, for ``apply_held`` to apply a piece at a time.
 
     An exact update spread over the next device step: apply each piece just
@@ -241,20 +245,44 @@ class HostAdamW:
     Args:
       grads: per piece, its gradient in host memory; together they cover every leaf once.
       grad_scale: as ``update``'s.
+      order: every piece of ``grads``, in the order the device will read them: a thread
+        of this object's then applies them in that order, from now on, and
+        ``apply_held`` waits for them. The caller's thread stays free to dispatch
+        the device's programs meanwhile.
     """
+    if order is not None and (len(order) != len(grads) or set(order) != set(grads)):
+      raise ValueError(f"order must list each of the {len(grads)} pieces held once, got "
+                       f"{len(order)} entries ({len(set(order) - set(grads))} not held)")
     self.apply_held()
     self.count += 1
     self._pieces = (dict(grads), grad_scale, self._learning_rate(self.count - 1))
+    if order is not None:
+      self._applied = {piece: concurrent.futures.Future() for piece in order}
+      if self._background is None:
+        self._background = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="HostAdamW")
+      self._background.submit(self._apply_in_order, *self._pieces, self._applied)
 
   def apply_held(self, pieces: Optional[Iterable[Piece]] = None) -> None:
     """Applies the held gradients of ``pieces`` (None: all still held), waiting for them;
-    pieces already applied or not held are skipped.
+    pieces already applied or not held are skipped. After ``hold(order=...)``, waits for
+    the thread that applies them instead.
 
     Example:
       >>> host.hold({(0, layer): g for layer, g in enumerate(layer_grads)}, clip_factor)
       >>> host.apply_held([(0, 0)])  # Before dispatching the program that reads layer 0.
     """
     if self._pieces is None:
+      return
+    if self._applied is not None:
+      applied = self._applied
+      for piece in list(applied) if pieces is None else pieces:
+        if piece in applied:
+          applied[piece].result()  # Raises what the thread raised.
+      if all(done.done() for done in applied.values()):
+        for done in applied.values():
+          done.result()  # A piece not asked for may have failed.
+        self._pieces = self._applied = None
       return
     grads, scale, learning_rate = self._pieces
     for piece in list(grads) if pieces is None else pieces:
@@ -347,6 +375,21 @@ class HostAdamW:
     learning_rate = self._learning_rate(self.count - 1)
     for leaf, grad in enumerate(grads):
       self._apply_piece((leaf, None), grad, scale, learning_rate)
+
+  def _apply_in_order(self, grads: dict, scale, learning_rate: float,
+                      applied: dict[Piece, concurrent.futures.Future]) -> None:
+    """``hold(order=...)``'s thread: applies the pieces in ``applied``'s order, marking each."""
+    try:
+      jax.block_until_ready(scale)
+      scale = host_arrays.read_scalar(scale)
+      for piece, done in applied.items():
+        jax.block_until_ready(grads[piece])
+        self._apply_piece(piece, grads[piece], scale, learning_rate)
+        done.set_result(None)
+    except BaseException as error:  # Raised where apply_held waits for these pieces.
+      for done in applied.values():
+        if not done.done():
+          done.set_exception(error)
 
   def _apply_piece(self, piece: Piece, grad: Union[jax.Array, list], scale: float,
                    learning_rate: float) -> None:

@@ -84,7 +84,8 @@ def device_step_by_piece(host_weights, batch):
   return {**pieces, (1, None): grads[1]}, scale
 
 
-def test_held_pieces_update_as_the_whole_step_does():
+@pytest.mark.parametrize("in_background", [False, True], ids=["caller", "thread"])
+def test_held_pieces_update_as_the_whole_step_does(in_background):
   weights, batches = problem()
   pinned = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
   host = HostAdamW([jax.device_put(np.array(w), pinned) for w in weights],
@@ -95,15 +96,30 @@ def test_held_pieces_update_as_the_whole_step_does():
     host.apply_held([(0, layer) for layer in range(4)])
     host.apply_held()
     pieces, scale = device_step_by_piece(host.params, batch)
-    host.hold(pieces, scale)
-    assert host.count == step + 1
     order = list(pieces)
     rng.shuffle(order)
+    host.hold(pieces, scale, order=order if in_background else None)
+    assert host.count == step + 1
     host.apply_held(order[:5])
   host.finish()
   whole = host_run(weights, batches)
   assert all(np.array_equal(a, b) for a, b in zip(host.snapshot(), whole))
   assert max_rel_diff(whole, optax_reference(weights, batches)) <= 1e-6
+
+
+def test_holding_in_order_checks_the_order_and_raises_the_threads_error():
+  weights, batches = problem()
+  host = HostAdamW([to_host(w) for w in weights], learning_rate=schedule, **HYPER)
+  pieces, scale = device_step_by_piece(host.params, batches[0])
+  with pytest.raises(ValueError, match="order must list each of the 9 pieces held once, got 8"):
+    host.hold(pieces, scale, order=list(pieces)[1:])
+  assert host.count == 0
+  pieces[(0, 3)] = to_host(jnp.zeros(5))  # Not layer 3's shape: the kernel refuses it.
+  host.hold(pieces, scale, order=list(pieces))
+  with pytest.raises(ValueError, match=r"grad has shape \(5,\), param has \(16,\)"):
+    host.apply_held()
+  with pytest.raises(ValueError, match=r"grad has shape \(5,\)"):  # The update stays unfinished.
+    host.finish()
 
 
 def test_a_profiler_trace_names_each_piece_the_host_updates(tmp_path):

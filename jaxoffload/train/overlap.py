@@ -4,9 +4,10 @@ With the host kernel, wherever it can (``Setup.overlaps_host_update``), a step
 runs the model as a program per piece (``jaxoffload.layered``): the
 embedding, each layer and the head forward, then each layer and the
 embedding backward, then the device optimizer's update. The host kernel
-holds step t's gradients (``HostAdamW.hold``) and applies each piece's
-update just before it dispatches step t + 1's forward program of that piece:
-the device computes the first layers while the host updates the later ones.
+holds step t's gradients (``HostAdamW.hold``) and its thread applies them in
+the order step t + 1's forward programs read them; each forward program is
+dispatched once its pieces are applied: the device computes the first layers
+while the host updates the later ones.
 The update is the single program's (exact, the same clipping); only when the
 host applies it moves. A step's host gradients leave the device as each
 layer's backward program ends.
@@ -54,6 +55,13 @@ class OverlappedStep:
       (self.host_ids if host else self.device_ids).setdefault(name, []).append(counts[host])
       counts[host] += 1
     self.wire = setup.transfer_dtypes
+    # The host kernel's pieces in the order the forward programs first read them (a shared
+    # embedding's by the embedding's and the head's).
+    self.update_order = list(dict.fromkeys([
+        *self._pieces(layered.EMBED),
+        *(piece for name, group in self.layer_groups.items()
+          for index in range(group.stop - group.start) for piece in self._pieces(name, index)),
+        *(piece for name in self.head for piece in self._pieces(name))]))
     # Where each host kernel leaf's gradient goes: cut as its weights (a layer's, as a layer
     # of them), so that each shard meets the shard of weights it updates.
     self.grad_shardings = {}
@@ -142,7 +150,7 @@ class OverlappedStep:
     device_leaves, opt_state, loss, grad_norm, clip_factor = run(
         "update", self._update, (), device_leaves, opt_state, loss, device_grads, squares)
     if host is not None:
-      host.hold(held, clip_factor)
+      host.hold(held, clip_factor, order=self.update_order)
     return device_leaves, opt_state, loss, grad_norm
 
   def _pieces(self, name: str, index: Any = None) -> list[tuple[int, Any]]:
