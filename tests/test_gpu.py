@@ -134,8 +134,11 @@ def test_summing_on_the_host_keeps_the_host_kernels_weights_and_gradients_off_th
                   "optimizer.offload_transfer_dtype=bfloat16", "model.recompute_granularity=full",
                   "train.micro_batch_size=2"]
   peaks = {}
-  for name, batch in (("one program", 2), ("summed on the host", 4)):
-    setup = resolve(load_config(None, base + [f"train.global_batch_size={batch}"]))
+  # One micro-batch would run the overlapped step, a program per layer: ask for one program.
+  for name, extra in (("one program", ["train.global_batch_size=2",
+                                       "optimizer.overlap_cpu_optimizer_d2h_h2d=False"]),
+                      ("summed on the host", ["train.global_batch_size=4"])):
+    setup = resolve(load_config(None, base + extra))
     tokens = setup.global_batch(0)
     peaks[name] = Trainer.from_shapes(setup).compile(jax.ShapeDtypeStruct(
         tokens.shape, tokens.dtype, sharding=tokens.sharding)).device_bytes
