@@ -16,7 +16,8 @@ when it did not come out of a bfloat16 matmul already.
 a piece at a time (a leaf, or one layer of a leaf stacked over layers): apply
 each piece just before dispatching the program that reads it, and the host
 updates the later layers while the device computes the first
-(``jaxoffload.train.overlap``).
+(``jaxoffload.train.overlap``); given the order, a thread applies them
+(``jaxoffload.held_update``).
 
 The update writes into JAX arrays behind JAX's back (``host_adam.writable_view``):
 keep to the loop below (dispatch the step, then ``update``), and never pass
@@ -42,10 +43,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxoffload import host_adam, host_arrays
+from jaxoffload.held_update import HeldUpdate, Piece
 
 Schedule = Union[float, Callable[[int], float]]
-# A leaf's index, and a layer's index along axis 0 of a stacked leaf (None: all of it).
-Piece = tuple[int, Optional[int]]
 
 # Learning rates come from a table of this many updates, filled ahead: a JAX
 # schedule evaluated at each update would queue behind the device step in
@@ -119,11 +119,8 @@ class HostAdamW:
     # Only the host reads the moments: plain host memory, outside XLA's pinned pool.
     self._mu = [[np.zeros(v.shape, mu_dtype) for v in views] for views in self._weight_views]
     self._nu = [[np.zeros(v.shape, nu_dtype) for v in views] for views in self._weight_views]
-    # hold()'s gradients by piece not yet applied, their scale and learning rate.
-    self._pieces: Optional[tuple[dict, Any, float]] = None
-    # With hold(order=...): per piece, done once the background thread has applied it.
-    self._applied: Optional[dict[Piece, concurrent.futures.Future]] = None
-    self._background: Optional[concurrent.futures.ThreadPoolExecutor] = None
+    self._held: Optional[HeldUpdate] = None  # hold()'s update, until every piece is applied.
+    self._background: Optional[concurrent.futures.ThreadPoolExecutor] = None  # hold(order=)'s.
     # Per leaf and shard, the float32 sums of accumulate(); _summed: they hold this step's.
     self._sums: Optional[list[list[np.ndarray]]] = None
     self._summed = False
@@ -250,48 +247,27 @@ class HostAdamW:
         ``apply_held`` waits for them. The caller's thread stays free to dispatch
         the device's programs meanwhile.
     """
-    if order is not None and (len(order) != len(grads) or set(order) != set(grads)):
-      raise ValueError(f"order must list each of the {len(grads)} pieces held once, got "
-                       f"{len(order)} entries ({len(set(order) - set(grads))} not held)")
     self.apply_held()
-    self.count += 1
-    self._pieces = (dict(grads), grad_scale, self._learning_rate(self.count - 1))
-    if order is not None:
-      self._applied = {piece: concurrent.futures.Future() for piece in order}
-      if self._background is None:
-        self._background = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="HostAdamW")
-      self._background.submit(self._apply_in_order, *self._pieces, self._applied)
+    if order is not None and self._background is None:
+      self._background = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="HostAdamW")
+    count, learning_rate = self.count + 1, self._learning_rate(self.count)  # The next update's.
+    self._held = HeldUpdate(
+        grads, lambda piece, grad, scale: self._apply_piece(piece, grad, scale, learning_rate,
+                                                            count),
+        grad_scale, order=order, executor=self._background)
+    self.count = count
 
   def apply_held(self, pieces: Optional[Iterable[Piece]] = None) -> None:
     """Applies the held gradients of ``pieces`` (None: all still held), waiting for them;
     pieces already applied or not held are skipped. After ``hold(order=...)``, waits for
-    the thread that applies them instead.
+    the thread that applies them instead, and raises what it raised.
 
     Example:
       >>> host.hold({(0, layer): g for layer, g in enumerate(layer_grads)}, clip_factor)
       >>> host.apply_held([(0, 0)])  # Before dispatching the program that reads layer 0.
     """
-    if self._pieces is None:
-      return
-    if self._applied is not None:
-      applied = self._applied
-      for piece in list(applied) if pieces is None else pieces:
-        if piece in applied:
-          applied[piece].result()  # Raises what the thread raised.
-      if all(done.done() for done in applied.values()):
-        for done in applied.values():
-          done.result()  # A piece not asked for may have failed.
-        self._pieces = self._applied = None
-      return
-    grads, scale, learning_rate = self._pieces
-    for piece in list(grads) if pieces is None else pieces:
-      grad = grads.pop(piece, None)
-      if grad is not None:
-        jax.block_until_ready((grad, scale))
-        self._apply_piece(piece, grad, host_arrays.read_scalar(scale), learning_rate)
-    if not grads:
-      self._pieces = None
+    if self._held is not None and self._held.apply(pieces):
+      self._held = None
 
   def finish(self) -> None:
     """Applies the held gradients, if any, so that ``params`` has every update."""
@@ -374,26 +350,12 @@ class HostAdamW:
     self.count += 1
     learning_rate = self._learning_rate(self.count - 1)
     for leaf, grad in enumerate(grads):
-      self._apply_piece((leaf, None), grad, scale, learning_rate)
-
-  def _apply_in_order(self, grads: dict, scale, learning_rate: float,
-                      applied: dict[Piece, concurrent.futures.Future]) -> None:
-    """``hold(order=...)``'s thread: applies the pieces in ``applied``'s order, marking each."""
-    try:
-      jax.block_until_ready(scale)
-      scale = host_arrays.read_scalar(scale)
-      for piece, done in applied.items():
-        jax.block_until_ready(grads[piece])
-        self._apply_piece(piece, grads[piece], scale, learning_rate)
-        done.set_result(None)
-    except BaseException as error:  # Raised where apply_held waits for these pieces.
-      for done in applied.values():
-        if not done.done():
-          done.set_exception(error)
+      self._apply_piece((leaf, None), grad, scale, learning_rate, self.count)
 
   def _apply_piece(self, piece: Piece, grad: Union[jax.Array, list], scale: float,
-                   learning_rate: float) -> None:
-    """Applies a leaf's gradient, or one layer's of a stacked leaf (``piece``)."""
+                   learning_rate: float, count: int) -> None:
+    """Applies a leaf's gradient, or one layer's of a stacked leaf (``piece``), as update
+    ``count``."""
     leaf, layer = piece
     weights, copies = self._weight_views[leaf], self._copy_views[leaf]
     part = (lambda views: views) if layer is None else (lambda views: views[layer])
@@ -405,6 +367,6 @@ class HostAdamW:
       for shard, grad_view in enumerate(views):
         host_adam.adamw_update(part(weights[shard]), grad_view, part(self._mu[leaf][shard]),
                                part(self._nu[leaf][shard]), learning_rate=learning_rate,
-                               count=self.count, grad_scale=scale,
+                               count=count, grad_scale=scale,
                                copy=None if copies is None else part(copies[shard]),
                                **self._hyper)
