@@ -51,3 +51,27 @@ def test_the_quick_benchmarks_run_on_a_cpu(tmp_path, args, rows):
   results = json.loads((tmp_path / "out.json").read_text())["results"]
   assert results and all(rows in r for r in results)
   assert (tmp_path / "out.md").read_text().startswith("# ")
+
+
+@pytest.mark.slow
+def test_step_trace_reads_the_trainers_trace(tmp_path):
+  trace = tmp_path / "trace"
+  done = run("-m", "jaxoffload.train", "train.train_iters=4", "optimizer.optimizer_cpu_offload=True",
+             "optimizer.optimizer_offload_fraction=0.5",
+             "optimizer.optimizer_offload_update_on=host_kernel", f"logging.profile_dir={trace}",
+             "logging.profile_start_step=2", "logging.profile_steps=2")
+  assert done.returncode == 0, done.stderr[-2000:]
+  done = run("benchmarks/step_trace.py", str(trace), "--min-ms", "0", "--out",
+             str(tmp_path / "out"))
+  assert done.returncode == 0, done.stderr[-2000:]
+  steps = json.loads((tmp_path / "out.json").read_text())["results"]
+  assert len(steps) == 2
+  for step in steps:  # The overlapped step: a program per layer.
+    assert any(name.startswith("PjitFunction(jit(_layer_forward")
+               for name in step["time_by_call_ms"])
+    assert step["long_calls"] and step["device_busy_ms"] is None  # No device stream on a CPU.
+  # The first step's update, on the host kernel's thread, runs after it returns and before
+  # the second step's forward programs read it: inside the two windows.
+  assert sum(step["time_by_call_ms"].get("HostAdamW update", 0) for step in steps) > 0
+  missing = run("benchmarks/step_trace.py", str(tmp_path / "none"), "--out", str(tmp_path / "x"))
+  assert missing.returncode == 1 and "no trace (*.xplane.pb) under" in missing.stderr
