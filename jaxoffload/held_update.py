@@ -23,6 +23,8 @@ from jaxoffload import host_arrays
 
 # A leaf's index, and a layer's index along axis 0 of a stacked leaf (None: all of it).
 Piece = tuple[int, Optional[int]]
+# Applies one piece's gradient (a host array, or a sum's shards) times a scale.
+ApplyPiece = Callable[[Piece, Any, float], None]
 
 
 class HeldUpdate:
@@ -41,8 +43,7 @@ class HeldUpdate:
     ValueError: when ``order`` does not list each piece of ``grads`` once.
   """
 
-  def __init__(self, grads: Mapping[Piece, jax.Array], apply_piece: Callable[[Piece, Any, float],
-                                                                             None],
+  def __init__(self, grads: Mapping[Piece, jax.Array], apply_piece: ApplyPiece,
                grad_scale: Union[float, jax.Array] = 1.0, *,
                order: Optional[Sequence[Piece]] = None,
                executor: Optional[concurrent.futures.Executor] = None):
@@ -84,7 +85,7 @@ class HeldUpdate:
     try:
       scale = host_arrays.read_scalar(jax.block_until_ready(self._scale))
       for piece, done in self._applied.items():
-        grad = jax.block_until_ready(self._grads[piece])
+        grad = jax.block_until_ready(self._grads.pop(piece))  # Freed once applied.
         self._apply_piece(piece, grad, scale)
         done.set_result(None)
     except BaseException as error:  # Raised where apply waits for these pieces.
