@@ -3,8 +3,11 @@
 ``HostAdamW.hold`` keeps a step's gradients in a ``HeldUpdate`` so that each
 piece (a leaf, or one layer of a leaf stacked over layers) is applied just
 before the device program that reads it is dispatched. Given an order, a
-thread applies the pieces in that order from the start, and ``apply`` only
-waits for them: the caller's thread stays free to dispatch device programs.
+thread applies the pieces from the start, each once its gradient is ready
+(the first in that order among the ready ones), and ``apply`` only waits for
+them: the caller's thread stays free to dispatch device programs. Gradients
+may come while the device still makes them (``add``): with a scale known
+beforehand, the update runs during the backward pass that makes them.
 
 Example:
   >>> held = HeldUpdate(grads, apply_piece, clip_factor, order=pieces, executor=pool)
@@ -15,6 +18,8 @@ Example:
 from __future__ import annotations
 
 import concurrent.futures
+import heapq
+import threading
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import jax
@@ -35,27 +40,64 @@ class HeldUpdate:
     apply_piece: applies one piece's gradient, multiplied by ``scale`` (a float).
     grad_scale: the gradients' scale (global-norm clipping's factor), a float or
       a scalar JAX array, read once it is ready.
-    order: every piece of ``grads``, in the order they will be asked for: a
-      thread of ``executor`` then applies them in that order.
+    order: every piece, in the order they will be asked for: a thread of
+      ``executor`` then applies them, each as soon as its gradient is ready,
+      the first in this order among those ready. Pieces not in ``grads`` come
+      later, through ``add``.
     executor: the thread that applies them, with ``order``.
 
   Raises:
-    ValueError: when ``order`` does not list each piece of ``grads`` once.
+    ValueError: when ``order`` lists a piece twice or lacks one of ``grads``.
   """
 
   def __init__(self, grads: Mapping[Piece, jax.Array], apply_piece: ApplyPiece,
                grad_scale: Union[float, jax.Array] = 1.0, *,
                order: Optional[Sequence[Piece]] = None,
                executor: Optional[concurrent.futures.Executor] = None):
-    if order is not None and (len(order) != len(grads) or set(order) != set(grads)):
-      raise ValueError(f"order must list each of the {len(grads)} pieces held once, got "
-                       f"{len(order)} entries ({len(set(order) - set(grads))} not held)")
+    if order is not None and (len(set(order)) != len(order) or not set(grads) <= set(order)):
+      raise ValueError(f"order must list each piece once, and every piece held: got "
+                       f"{len(order)} entries for {len(set(order))} pieces, "
+                       f"{len(set(grads) - set(order))} of those held missing")
     self._grads, self._apply_piece, self._scale = dict(grads), apply_piece, grad_scale
     # With an order: per piece, done once the thread has applied it.
     self._applied: Optional[dict[Piece, concurrent.futures.Future]] = None
     if order is not None:
       self._applied = {piece: concurrent.futures.Future() for piece in order}
+      self._rank = {piece: rank for rank, piece in enumerate(order)}
+      # The pieces in the order their gradients came (the order the device makes them),
+      # how many of those are known ready, and those ready but not applied, by rank.
+      self._arrivals, self._seen, self._ready = list(self._grads), 0, []
+      self._known = set(self._grads)  # The pieces given so far.
+      self._given = threading.Condition()
+      self._error: Optional[BaseException] = None
       executor.submit(self._apply_in_order)
+
+  def add(self, grads: Mapping[Piece, jax.Array]) -> None:
+    """Gives the thread more pieces' gradients (``order``'s, not given before).
+
+    Raises:
+      ValueError: for a piece not in ``order``, or given before.
+    """
+    with self._given:
+      for piece in grads:
+        if piece not in self._applied or piece in self._known:
+          raise ValueError(f"piece {piece} is not in the order, or was given before")
+      self._grads.update(grads)
+      self._arrivals.extend(grads)
+      self._known.update(grads)
+      self._given.notify()
+
+  @property
+  def applied_by_thread(self) -> bool:
+    """Whether a thread applies the pieces (given an ``order``)."""
+    return self._applied is not None
+
+  def cancel(self, error: BaseException) -> None:
+    """Stops the thread: the pieces it has not applied fail with ``error``, raised where
+    ``apply`` waits for them (the update stays unfinished)."""
+    with self._given:
+      self._error = error
+      self._given.notify()
 
   def apply(self, pieces: Optional[Iterable[Piece]] = None) -> bool:
     """Applies ``pieces`` (None: all not yet applied), or waits for the thread to have;
@@ -81,14 +123,38 @@ class HeldUpdate:
     return not self._grads
 
   def _apply_in_order(self) -> None:
-    """The thread's work: every piece in order, each marked once applied."""
+    """The thread's work: every piece, the first of ``order`` among those ready, each marked
+    once applied."""
     try:
       scale = host_arrays.read_scalar(jax.block_until_ready(self._scale))
-      for piece, done in self._applied.items():
-        grad = jax.block_until_ready(self._grads.pop(piece))  # Freed once applied.
+      for _ in range(len(self._applied)):
+        piece = self._next_ready()
+        with self._given:
+          grad = self._grads.pop(piece)  # Freed once applied.
         self._apply_piece(piece, grad, scale)
-        done.set_result(None)
+        self._applied[piece].set_result(None)
     except BaseException as error:  # Raised where apply waits for these pieces.
       for done in self._applied.values():
         if not done.done():
           done.set_exception(error)
+
+  def _next_ready(self) -> Piece:
+    """The first piece of ``order`` among those whose gradients are ready, waiting for one."""
+    while True:
+      with self._given:
+        while True:
+          if self._error is not None:
+            raise self._error
+          # The device makes the gradients in the order they came: ready ones first.
+          while (self._seen < len(self._arrivals) and all(
+              x.is_ready() for x in jax.tree.leaves(self._grads[self._arrivals[self._seen]]))):
+            piece = self._arrivals[self._seen]
+            heapq.heappush(self._ready, (self._rank[piece], piece))
+            self._seen += 1
+          if self._ready:
+            return heapq.heappop(self._ready)[1]
+          if self._seen < len(self._arrivals):
+            pending = self._grads[self._arrivals[self._seen]]
+            break
+          self._given.wait()
+      jax.block_until_ready(pending)  # The next to come; not holding the lock meanwhile.

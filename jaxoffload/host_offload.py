@@ -242,10 +242,12 @@ class HostAdamW:
     Args:
       grads: per piece, its gradient in host memory; together they cover every leaf once.
       grad_scale: as ``update``'s.
-      order: every piece of ``grads``, in the order the device will read them: a thread
-        of this object's then applies them in that order, from now on, and
-        ``apply_held`` waits for them. The caller's thread stays free to dispatch
-        the device's programs meanwhile.
+      order: every piece, in the order the device will read them: a thread of this
+        object's then applies them from now on, each once its gradient is ready (the
+        first in this order among those ready), and ``apply_held`` waits for them. The
+        caller's thread stays free to dispatch the device's programs meanwhile. The
+        pieces not in ``grads`` come through ``add_held``, while the device still makes
+        them: the update then overlaps the backward pass too.
     """
     self.apply_held()
     if order is not None and self._background is None:
@@ -268,6 +270,17 @@ class HostAdamW:
     """
     if self._held is not None and self._held.apply(pieces):
       self._held = None
+
+  def add_held(self, grads: Mapping[Piece, jax.Array]) -> None:
+    """Gives the held update (``hold(order=...)``) more pieces' gradients, as the device
+    makes them."""
+    self._held.add(grads)
+
+  def cancel_held(self, error: BaseException) -> None:
+    """Stops the held update's thread, if any, before pieces it waits for come: they and
+    every later ``apply_held`` raise ``error``, and the state is no step's."""
+    if self._held is not None and self._held.applied_by_thread:
+      self._held.cancel(error)
 
   def finish(self) -> None:
     """Applies the held gradients, if any, so that ``params`` has every update."""

@@ -239,7 +239,8 @@ def test_a_key_without_documentation_is_refused():
     ("optimizer.adam_beta2=1.0", "optimizer.adam_beta2 must be in [0, 1), got 1.0"),
     ("optimizer.weight_decay=-0.1", "optimizer.weight_decay must be at least 0, got -0.1"),
     ("mesh.fsdp=0", "mesh.fsdp must be at least 1, got 0"),
-    ("optimizer.clip_grad=.nan", "optimizer.adam_eps and optimizer.clip_grad must be > 0"),
+    ("optimizer.clip_grad=.nan", "optimizer.clip_grad must be >= 0 (0: no clipping), got nan"),
+    ("optimizer.adam_eps=0", "optimizer.adam_eps must be > 0, got 0.0"),
 ])
 def test_sizes_and_ranges_are_checked_at_load(override, message):
   with pytest.raises(ConfigError, match=re.escape(message)):

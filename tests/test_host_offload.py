@@ -1,5 +1,7 @@
 """HostAdamW: host updates equal optax's, whole, by piece, summed, sharded and resumed."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -84,8 +86,8 @@ def device_step_by_piece(host_weights, batch):
   return {**pieces, (1, None): grads[1]}, scale
 
 
-@pytest.mark.parametrize("in_background", [False, True], ids=["caller", "thread"])
-def test_held_pieces_update_as_the_whole_step_does(in_background):
+@pytest.mark.parametrize("applied_by", ["caller", "thread", "thread, given as made"])
+def test_held_pieces_update_as_the_whole_step_does(applied_by):
   weights, batches = problem()
   pinned = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
   host = HostAdamW([jax.device_put(np.array(w), pinned) for w in weights],
@@ -98,7 +100,12 @@ def test_held_pieces_update_as_the_whole_step_does(in_background):
     pieces, scale = device_step_by_piece(host.params, batch)
     order = list(pieces)
     rng.shuffle(order)
-    host.hold(pieces, scale, order=order if in_background else None)
+    if applied_by == "thread, given as made":  # Some now, the rest in two handfuls.
+      host.hold({p: pieces[p] for p in order[:3]}, scale, order=order)
+      host.add_held({p: pieces[p] for p in order[3:6]})
+      host.add_held({p: pieces[p] for p in order[6:]})
+    else:
+      host.hold(pieces, scale, order=order if applied_by == "thread" else None)
     assert host.count == step + 1
     host.apply_held(order[:5])
   host.finish()
@@ -111,14 +118,36 @@ def test_holding_in_order_checks_the_order_and_raises_the_threads_error():
   weights, batches = problem()
   host = HostAdamW([to_host(w) for w in weights], learning_rate=schedule, **HYPER)
   pieces, scale = device_step_by_piece(host.params, batches[0])
-  with pytest.raises(ValueError, match="order must list each of the 9 pieces held once, got 8"):
+  with pytest.raises(ValueError, match="got 8 entries for 8 pieces, 1 of those held missing"):
     host.hold(pieces, scale, order=list(pieces)[1:])
+  with pytest.raises(ValueError, match="got 10 entries for 9 pieces, 0 of those held missing"):
+    host.hold(pieces, scale, order=[*pieces, (1, None)])
   assert host.count == 0
   pieces[(0, 3)] = to_host(jnp.zeros(5))  # Not layer 3's shape: the kernel refuses it.
   host.hold(pieces, scale, order=list(pieces))
   with pytest.raises(ValueError, match=r"grad has shape \(5,\), param has \(16,\)"):
     host.apply_held()
   with pytest.raises(ValueError, match=r"grad has shape \(5,\)"):  # The update stays unfinished.
+    host.finish()
+
+
+def test_pieces_given_later_are_checked_and_a_cancelled_update_stays_unfinished():
+  weights, batches = problem()
+  host = HostAdamW([to_host(w) for w in weights], learning_rate=schedule, **HYPER)
+  pieces, scale = device_step_by_piece(host.params, batches[0])
+  order = list(pieces)
+  host.hold({order[0]: pieces[order[0]]}, scale, order=order)
+  host.apply_held([order[0]])
+  for given in (order[0], (2, None)):  # Given before; in no leaf.
+    with pytest.raises(ValueError, match=re.escape(f"piece {given} is not in the order, or was "
+                                                   "given before")):
+      host.add_held({given: pieces[order[0]]})
+  host.add_held({order[1]: pieces[order[1]]})
+  # The step's backward pass failed: the thread must not wait for the pieces that never come.
+  host.cancel_held(RuntimeError("backward failed"))
+  with pytest.raises(RuntimeError, match="backward failed"):
+    host.apply_held()
+  with pytest.raises(RuntimeError, match="backward failed"):  # The update stays unfinished.
     host.finish()
 
 

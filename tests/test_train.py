@@ -9,10 +9,12 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from jaxoffload.placement import leaf_path
 from jaxoffload.train import Trainer, load_config, resolve, rules, run, train
+from jaxoffload.train import optimizer as train_optimizer
 from jaxoffload.train.__main__ import main
 from jaxoffload.train.launch import COMMAND_BUFFER_FLAG, set_xla_flags
 
@@ -132,6 +134,33 @@ def test_losses_equal_the_baseline(overrides, baseline_losses):
   losses = train(load_config(None, [f"train.train_iters={STEPS}", *overrides]), log=QUIET)
   assert baseline_losses[-1] < baseline_losses[0]
   np.testing.assert_allclose(losses, baseline_losses, rtol=1e-5)
+
+
+@pytest.mark.parametrize("overrides", [
+    pytest.param(HOST_KERNEL, id="overlapped"),
+    pytest.param([*HOST_KERNEL, "optimizer.overlap_cpu_optimizer_d2h_h2d=False"], marks=SLOW,
+                 id="one-program"),
+])
+def test_unclipped_host_kernel_losses_equal_the_unclipped_baseline(overrides):
+  # Unclipped, the overlapped step's host update starts during the backward pass.
+  unclipped = [f"train.train_iters={STEPS}", "optimizer.clip_grad=0"]
+  whole_model = train(load_config(None, unclipped), log=QUIET)
+  np.testing.assert_allclose(train(load_config(None, [*unclipped, *overrides]), log=QUIET),
+                             whole_model, rtol=1e-5)
+
+
+def test_clip_grad_zero_turns_clipping_off():
+  def first_moments(clip_grad):
+    setup = resolve(load_config(None, [f"optimizer.clip_grad={clip_grad}"]))
+    params = jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), setup.param_shapes)
+    transform = train_optimizer.optimizer(setup)
+    grads = jax.tree.map(lambda p: jnp.full_like(p, 3.0), params)  # A norm far above 1.
+    _, state = transform.update(grads, transform.init(params), params)
+    return jax.tree.leaves(optax.tree.get(state, "mu"))
+
+  b1 = load_config(None, []).optimizer.adam_beta1
+  assert all(np.allclose(mu, (1 - b1) * 3.0, rtol=1e-6) for mu in first_moments(0))
+  assert all(np.all(mu < 1e-3) for mu in first_moments(1.0))
 
 
 def test_the_host_kernel_overlaps_the_next_forward_pass_wherever_it_can():

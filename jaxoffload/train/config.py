@@ -88,7 +88,8 @@ class OptimizerConfig:
     adam_beta2: AdamW's b2.
     adam_eps: AdamW's eps.
     weight_decay: decoupled weight decay.
-    clip_grad: global-norm gradient clipping (``optax.clip_by_global_norm``).
+    clip_grad: global-norm gradient clipping (``optax.clip_by_global_norm``); 0: none.
+      Without it, the host kernel can start a step's update during its backward pass.
     optimizer_cpu_offload: keep the optimizer state of part of the parameters in host
       memory (``jaxoffload.offload_adamw``, or the host kernel).
     optimizer_offload_fraction: share of parameter elements whose state is offloaded,

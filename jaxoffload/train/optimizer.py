@@ -46,7 +46,9 @@ def optimizer(setup: Setup) -> optax.GradientTransformation:
         nu_dtype=nu_dtype, stochastic_rounding=compact, shardings=setup.param_shardings)
   else:
     adamw = optax.adamw(setup.schedule, **hyper)
-  return optax.chain(optax.clip_by_global_norm(o.clip_grad), adamw)
+  # The same state with or without clipping: a checkpoint resumes under either.
+  clip = optax.clip_by_global_norm(o.clip_grad) if o.clip_grad else optax.identity()
+  return optax.chain(clip, adamw)
 
 
 def host_adamw(setup: Setup, weights: list[jax.Array]) -> HostAdamW:

@@ -10,7 +10,9 @@ dispatched once its pieces are applied: the device computes the first layers
 while the host updates the later ones.
 The update is the single program's (exact, the same clipping); only when the
 host applies it moves. A step's host gradients leave the device as each
-layer's backward program ends.
+layer's backward program ends. Without clipping (``optimizer.clip_grad=0``)
+the update needs no global norm, and the thread starts on each piece as soon
+as its gradient is on the host: during this step's backward pass.
 """
 
 from __future__ import annotations
@@ -136,34 +138,54 @@ class OverlappedStep:
     loss, dx, shared_embed, head_grads = run("head", self._head_step, (),
                                              {name: leaves(name) for name in self.head}, x,
                                              tokens)
-    held, squares, device_grads = {}, [], {}
-    self._collect(head_grads, held, squares, device_grads)
+    squares, device_grads = [], {}
+    held = self._collect(head_grads, squares, device_grads)
+    # Unclipped, the update needs no norm: it starts with the head's gradients, the first
+    # made, and takes each layer's as its backward program is dispatched.
+    early = host is not None and not self.setup.clips_gradients
+    if early:
+      host.hold(held, 1.0, order=self.update_order)
+    give = host.add_held if early else held.update
+    try:
+      self._backward_pass(saved, dx, embed_pullback, shared_embed, run, give, squares,
+                          device_grads)
+    except BaseException as error:  # The thread must not wait for pieces that never come.
+      if early:
+        host.cancel_held(error)
+      raise
+    device_leaves, opt_state, loss, grad_norm, clip_factor = run(
+        "update", self._update, (), device_leaves, opt_state, loss, device_grads, squares)
+    if host is not None and not early:
+      host.hold(held, clip_factor, order=self.update_order)
+    return device_leaves, opt_state, loss, grad_norm
+
+  def _backward_pass(self, saved, dx, embed_pullback, shared_embed, run, give, squares,
+                     device_grads):
+    """The layers' and the embedding's backward programs; ``give(pieces)`` takes each one's
+    host kernel gradients by piece."""
     # A group's layers share the first one's pullback structure: one compile per group.
     first = {name: structure for name, index, structure, _ in saved if index == 0}
     while saved:  # Each layer's activations go as its backward program ends.
       name, index, _, pullback_leaves = saved.pop()
       dx, grads = run(f"backward {name}", self._backward, (name, first[name]), pullback_leaves,
                       dx)
-      self._collect(grads, held, squares, device_grads, index)
-    self._collect(run("embed backward", self._embed_backward, (), embed_pullback, dx,
-                      shared_embed), held, squares, device_grads)
-    device_leaves, opt_state, loss, grad_norm, clip_factor = run(
-        "update", self._update, (), device_leaves, opt_state, loss, device_grads, squares)
-    if host is not None:
-      host.hold(held, clip_factor, order=self.update_order)
-    return device_leaves, opt_state, loss, grad_norm
+      give(self._collect(grads, squares, device_grads, index))
+    give(self._collect(run("embed backward", self._embed_backward, (), embed_pullback, dx,
+                           shared_embed), squares, device_grads))
 
   def _pieces(self, name: str, index: Any = None) -> list[tuple[int, Any]]:
     """The host kernel's pieces of parameter ``name`` (layer ``index`` of a group's)."""
     return [(leaf, index) for leaf in self.host_ids.get(name, [])]
 
-  def _collect(self, grads: dict, held: dict, squares: list, device_grads: dict,
-               index: Any = None) -> None:
-    """Files a program's gradients: the host kernel's by piece, the rest by name."""
+  def _collect(self, grads: dict, squares: list, device_grads: dict, index: Any = None
+               ) -> dict:
+    """Files a program's gradients: the rest by name; returns the host kernel's by piece."""
+    pieces = {}
     for name, (host, square_sum, device) in grads.items():
-      held.update(zip(self._pieces(name, index), host))
+      pieces.update(zip(self._pieces(name, index), host))
       squares.append(square_sum)
       device_grads.setdefault(name, []).append(device)
+    return pieces
 
   def _params(self, name: str, device: list, host: list, index: Any = None) -> Any:
     """Parameter ``name``'s tree on the device from its leaves (layer ``index`` of a group's)."""

@@ -84,6 +84,12 @@ class Setup:
     return self.host_kernel and rules.host_update_overlaps(self.config)
 
   @property
+  def clips_gradients(self) -> bool:
+    """Whether the update clips the gradients by their global norm (``optimizer.clip_grad``
+    > 0): the host kernel's overlapped update then waits for the whole backward pass."""
+    return self.config.optimizer.clip_grad > 0
+
+  @property
   def sums_on_host(self) -> bool:
     """Whether the host kernel sums its leaves' gradients over micro-batches (a program per
     micro-batch, ``StepPrograms``): with it, several micro-batches and

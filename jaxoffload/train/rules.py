@@ -170,9 +170,10 @@ def _check_optimizer(config: Config) -> None:
   for key in ("adam_beta1", "adam_beta2"):
     if not 0 <= getattr(o, key) < 1:
       raise ConfigError(f"optimizer.{key} must be in [0, 1), got {getattr(o, key)}")
-  if not o.adam_eps > 0 or not o.clip_grad > 0:
-    raise ConfigError(f"optimizer.adam_eps and optimizer.clip_grad must be > 0, got "
-                      f"{o.adam_eps} and {o.clip_grad}")
+  if not o.adam_eps > 0:
+    raise ConfigError(f"optimizer.adam_eps must be > 0, got {o.adam_eps}")
+  if not o.clip_grad >= 0:
+    raise ConfigError(f"optimizer.clip_grad must be >= 0 (0: no clipping), got {o.clip_grad}")
   _at_least("optimizer.weight_decay", o.weight_decay, 0)
   if o.optimizer_offload_fraction == "auto":
     if not o.optimizer_cpu_offload:
