@@ -7,8 +7,9 @@ Both exact placements add copies and work to every step that nothing hides:
 - ``host_kernel``: the offloaded leaves' weights come to the device and their
   gradients go back (in float32, or bfloat16 with ``offload_transfer_dtype``),
   then the host's cores update weights and moments. Where the trainer
-  overlaps that update with the next forward pass (``jaxoffload.train.overlap``),
-  only the kernel's time beyond the forward pass adds to the step.
+  overlaps that update with the next forward pass (``jaxoffload.train.overlap``;
+  unclipped, with the backward pass too), only the kernel's time beyond that
+  device work adds to the step.
 
 ``measure_machine`` times one copy each way and one call of the host kernel;
 ``choose`` prices each placement and picks the cheaper; within ``TIE`` of each
@@ -130,9 +131,9 @@ def choose(machine: Machine, *, offloaded_elements: int, moment_bytes_per_elemen
       ``offloaded_elements``.
     host_kernel: whether the host kernel is a candidate (numba installed,
       float32 parameters).
-    overlap_s: seconds of device work the host kernel's update runs under (the
-      next step's forward pass, where the trainer overlaps them): the kernel's
-      time up to it adds nothing.
+    overlap_s: seconds of device work the host kernel's update runs under (where
+      the trainer overlaps them, ``jaxoffload.train.resolve.overlap_seconds``):
+      the kernel's time up to it adds nothing.
 
   Returns:
     A ``Choice``; ``str(choice)`` is the line to show the user.

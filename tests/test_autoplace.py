@@ -98,6 +98,8 @@ def test_the_trainer_prices_the_overlap_where_it_overlaps(monkeypatch):
   for not_overlapped in ("optimizer.overlap_cpu_optimizer_d2h_h2d=False",
                          "train.micro_batch_size=2"):
     assert host_kernel_s(not_overlapped) - host_kernel_s() == pytest.approx(forward)
+  # Unclipped, the update starts in the backward pass, twice the forward's work.
+  assert host_kernel_s() - host_kernel_s("optimizer.clip_grad=0") == pytest.approx(2 * forward)
 
 
 @pytest.mark.parametrize("machine, host_kernel", [

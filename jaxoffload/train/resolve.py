@@ -255,11 +255,21 @@ def forward_seconds(config: Config) -> float:
   return flops / (peak * _FORWARD_MFU)
 
 
+def overlap_seconds(config: Config) -> float:
+  """About how much device time a step of ``config`` hides the host kernel's update under:
+  the next forward pass where the trainer overlaps them (``train.overlap``), and unclipped
+  the backward pass too; 0 where it does not overlap."""
+  if not rules.host_update_overlaps(config):
+    return 0.0
+  # The backward pass does twice the forward's work.
+  return forward_seconds(config) * (1 if config.optimizer.clip_grad else 3)
+
+
 def price_updates(config: Config, offload: OffloadPlan, machine: autoplace.Machine, *,
                   host_kernel: bool) -> autoplace.Choice:
   """What each exact update placement adds to a step of ``config`` with ``offload``, on
   ``machine`` (the host kernel priced only where ``host_kernel`` and the config allow it,
-  and under the next forward pass where the trainer would overlap it)."""
+  and under the device work the trainer would overlap it with, ``overlap_seconds``)."""
   o = config.optimizer
   # Each device copies its own shards; the host kernel updates all of this process's (the
   # mesh's devices are spread evenly over the processes).
@@ -272,7 +282,7 @@ def price_updates(config: Config, offload: OffloadPlan, machine: autoplace.Machi
       transfer_bytes_per_element=jnp.dtype(o.offload_transfer_dtype).itemsize,
       local_elements=per_device * local_devices,
       host_kernel=host_kernel and host_kernel_allowed(config),
-      overlap_s=forward_seconds(config) if rules.host_update_overlaps(config) else 0.0)
+      overlap_s=overlap_seconds(config))
 
 
 def _resolve_update_place(config: Config, offload: Optional[OffloadPlan]
