@@ -39,12 +39,18 @@ class HeldUpdate:
     grads: per piece, its gradient in host memory.
     apply_piece: applies one piece's gradient, multiplied by ``scale`` (a float).
     grad_scale: the gradients' scale (global-norm clipping's factor), a float or
-      a scalar JAX array, read once it is ready.
+      a scalar JAX array, read once it is ready; with ``order``, None: it comes
+      later, through ``add``.
     order: every piece, in the order they will be asked for: a thread of
       ``executor`` then applies them, each as soon as its gradient is ready,
       the first in this order among those ready. Pieces not in ``grads`` come
       later, through ``add``.
     executor: the thread that applies them, with ``order``.
+    take_back: with ``order``, takes back ``apply_piece`` of the same arguments:
+      the thread then applies pieces before their scale is known, as if it were
+      1 (each counts as applied once the scale is read). If it is not 1, every
+      piece is applied unscaled, taken back and applied scaled, however many
+      had started: the result does not depend on the timing.
 
   Raises:
     ValueError: when ``order`` lists a piece twice or lacks one of ``grads``.
@@ -53,12 +59,15 @@ class HeldUpdate:
   def __init__(self, grads: Mapping[Piece, jax.Array], apply_piece: ApplyPiece,
                grad_scale: Union[float, jax.Array] = 1.0, *,
                order: Optional[Sequence[Piece]] = None,
-               executor: Optional[concurrent.futures.Executor] = None):
+               executor: Optional[concurrent.futures.Executor] = None,
+               take_back: Optional[ApplyPiece] = None):
     if order is not None and (len(set(order)) != len(order) or not set(grads) <= set(order)):
       raise ValueError(f"order must list each piece once, and every piece held: got "
                        f"{len(order)} entries for {len(set(order))} pieces, "
                        f"{len(set(grads) - set(order))} of those held missing")
     self._grads, self._apply_piece, self._scale = dict(grads), apply_piece, grad_scale
+    self._take_back = take_back
+    self.scale_read: Optional[float] = None  # The scale, once read.
     # With an order: per piece, done once the thread has applied it.
     self._applied: Optional[dict[Piece, concurrent.futures.Future]] = None
     if order is not None:
@@ -72,16 +81,22 @@ class HeldUpdate:
       self._error: Optional[BaseException] = None
       executor.submit(self._apply_in_order)
 
-  def add(self, grads: Mapping[Piece, jax.Array]) -> None:
-    """Gives the thread more pieces' gradients (``order``'s, not given before).
+  def add(self, grads: Mapping[Piece, jax.Array],
+          grad_scale: Union[None, float, jax.Array] = None) -> None:
+    """Gives the thread more pieces' gradients (``order``'s, not given before), and the
+    scale where the update was held without one.
 
     Raises:
-      ValueError: for a piece not in ``order``, or given before.
+      ValueError: for a piece not in ``order``, or given before; for a second scale.
     """
     with self._given:
       for piece in grads:
         if piece not in self._applied or piece in self._known:
           raise ValueError(f"piece {piece} is not in the order, or was given before")
+      if grad_scale is not None:
+        if self._scale is not None:
+          raise ValueError("the update already has its scale")
+        self._scale = grad_scale
       self._grads.update(grads)
       self._arrivals.extend(grads)
       self._known.update(grads)
@@ -91,6 +106,11 @@ class HeldUpdate:
   def applied_by_thread(self) -> bool:
     """Whether a thread applies the pieces (given an ``order``)."""
     return self._applied is not None
+
+  @property
+  def taken_back(self) -> bool:
+    """Whether the update was applied ahead of its scale and taken back: a scale not 1."""
+    return self._take_back is not None and self.scale_read not in (None, 1.0)
 
   def cancel(self, error: BaseException) -> None:
     """Stops the thread: the pieces it has not applied fail with ``error``, raised where
@@ -119,24 +139,63 @@ class HeldUpdate:
       grad = self._grads.pop(piece, None)
       if grad is not None:
         jax.block_until_ready((grad, self._scale))
-        self._apply_piece(piece, grad, host_arrays.read_scalar(self._scale))
+        self.scale_read = host_arrays.read_scalar(self._scale)
+        self._apply_piece(piece, grad, self.scale_read)
     return not self._grads
 
   def _apply_in_order(self) -> None:
     """The thread's work: every piece, the first of ``order`` among those ready, each marked
-    once applied."""
+    once applied; ahead of the scale, with ``take_back``."""
     try:
-      scale = host_arrays.read_scalar(jax.block_until_ready(self._scale))
+      ahead = []  # Pieces applied unscaled before the scale was read, with their gradients.
+      if self._take_back is None:
+        self._read_scale()
       for _ in range(len(self._applied)):
         piece = self._next_ready()
         with self._given:
           grad = self._grads.pop(piece)  # Freed once applied.
-        self._apply_piece(piece, grad, scale)
+        if self.scale_read is None and self._scale_ready():
+          self._settle(ahead)
+        if self.scale_read is None:
+          self._apply_piece(piece, grad, 1.0)
+          ahead.append((piece, grad))
+          continue
+        if self._take_back is not None and self.scale_read != 1.0:
+          self._apply_piece(piece, grad, 1.0)  # The arithmetic of the pieces applied ahead.
+          self._take_back(piece, grad, 1.0)
+        self._apply_piece(piece, grad, self.scale_read)
         self._applied[piece].set_result(None)
+      if self.scale_read is None:
+        self._settle(ahead)
     except BaseException as error:  # Raised where apply waits for these pieces.
       for done in self._applied.values():
         if not done.done():
           done.set_exception(error)
+
+  def _scale_ready(self) -> bool:
+    with self._given:
+      return self._scale is not None and all(
+          x.is_ready() for x in jax.tree.leaves(self._scale) if isinstance(x, jax.Array))
+
+  def _read_scale(self) -> None:
+    """Waits for the scale to be given and computed, and reads it."""
+    with self._given:
+      while self._scale is None:
+        if self._error is not None:
+          raise self._error
+        self._given.wait()
+    self.scale_read = host_arrays.read_scalar(jax.block_until_ready(self._scale))
+
+  def _settle(self, ahead: list) -> None:
+    """Reads the scale; the pieces applied ahead of it count as applied, taken back and
+    applied again scaled first if it is not 1."""
+    self._read_scale()
+    for piece, grad in ahead:
+      if self.scale_read != 1.0:
+        self._take_back(piece, grad, 1.0)
+        self._apply_piece(piece, grad, self.scale_read)
+      self._applied[piece].set_result(None)
+    ahead.clear()
 
   def _next_ready(self) -> Piece:
     """The first piece of ``order`` among those whose gradients are ready, waiting for one."""

@@ -6,7 +6,7 @@ that kernel: ``adamw_update`` applies one AdamW step to float32 arrays in
 place, with optax.adamw's arithmetic, using every core numba is allowed; it
 also takes bfloat16 gradients and writes a bfloat16 copy of the new weights,
 for a device that reads and sends half the bytes, and keeps the moments in
-float32 or bfloat16.
+float32 or bfloat16. ``adamw_undo`` takes an update back.
 
 It works on numpy arrays. ``writable_view`` gives one over the memory of a
 single-shard JAX array in host memory, so the kernel can update JAX's pinned
@@ -108,6 +108,29 @@ def _step_kernel(grad_is_bf16: bool, has_copy: bool, mu_is_bf16: bool = False,
 
 
 @functools.cache
+def _undo_kernel(grad_is_bf16: bool):
+  """``_step_kernel``'s step run backwards, for one kind of gradient."""
+  _require_numba()
+
+  @numba.njit(parallel=True, cache=True, nogil=True)
+  def undo(param, grad, mu, nu, grad_scale, lr, b1, b2, one_minus_b1, one_minus_b2, eps, decay,
+           bias1, bias2):
+    # The step's update is a function of the new moments; the weight decay, a factor on the
+    # old weight: new = old * (1 - lr * weight_decay) - lr * update.
+    for i in numba.prange(param.size):
+      g = (_widen(grad[i]) if grad_is_bf16 else grad[i]) * grad_scale
+      m = mu[i]
+      v = nu[i]
+      update = (m / bias1) / (np.float32(math.sqrt(v / bias2)) + eps)
+      param[i] = (param[i] + lr * update) / decay
+      mu[i] = (m - one_minus_b1 * g) / b1
+      # A moment that was ~0 comes back as rounding noise, which may be negative.
+      nu[i] = max((v - one_minus_b2 * (g * g)) / b2, np.float32(0))
+
+  return undo
+
+
+@functools.cache
 def _sum_kernel(grad_is_bf16: bool, first: bool, square_sum: bool):
   """The gradient sum compiled for one kind of gradient, start and norm (as ``_step_kernel``)."""
   _require_numba()
@@ -191,14 +214,8 @@ def adamw_update(param: np.ndarray, grad: np.ndarray, mu: np.ndarray, nu: np.nda
   Example:
     >>> adamw_update(w, g, m, v, learning_rate=3e-4, count=1)
   """
-  moments = (np.float32, ml_dtypes.bfloat16)
-  allowed = {"grad": moments, "mu": moments, "nu": moments, "copy": (ml_dtypes.bfloat16,)}
-  arrays = {"param": param, "grad": grad, "mu": mu, "nu": nu, "copy": copy}
-  for name, array in arrays.items():
-    if array is not None:
-      _check_array(name, array, allowed.get(name, (np.float32,)), param, "param")
-  if count < 1:
-    raise ValueError(f"count must be at least 1 (the first step is 1), got {count}")
+  _check_step_arrays(param, grad, mu, nu, copy, count,
+                     moment_dtypes=(np.float32, ml_dtypes.bfloat16))
   is_bf16 = [a.dtype == ml_dtypes.bfloat16 for a in (grad, mu, nu)]
   flat = lambda a, bf16: _bits(a) if bf16 else a.reshape(-1)
   f32 = np.float32
@@ -214,6 +231,39 @@ def adamw_update(param: np.ndarray, grad: np.ndarray, mu: np.ndarray, nu: np.nda
       _salt(2 * count), _salt(2 * count + 1))
 
 
+def adamw_undo(param: np.ndarray, grad: np.ndarray, mu: np.ndarray, nu: np.ndarray, *,
+               learning_rate: float, count: int, b1: float = 0.9, b2: float = 0.999,
+               eps: float = 1e-8, weight_decay: float = 1e-4, grad_scale: float = 1.0) -> None:
+  """Takes back the ``adamw_update`` of the same arguments, in place, up to rounding.
+
+  For an update applied before its gradient's scale was known (``HostAdamW``'s
+  speculation): undo it, then update again with the right ``grad_scale``. The
+  weights and first moment come back within a few float32 roundings; the second
+  moment within a rounding of its updated value (where ``grad**2`` outweighed
+  it, that is the whole of it), and never below zero. A bfloat16 copy is left as
+  it is, for the update that follows to rewrite.
+
+  Args:
+    param, grad, mu, nu, learning_rate, count, b1, b2, eps, weight_decay,
+      grad_scale: exactly as the ``adamw_update`` being undone had them.
+
+  Raises:
+    ValueError: as ``adamw_update``.
+
+  Example:
+    >>> adamw_update(w, g, m, v, learning_rate=3e-4, count=5)
+    >>> adamw_undo(w, g, m, v, learning_rate=3e-4, count=5)  # w, m, v as before
+  """
+  _check_step_arrays(param, grad, mu, nu, None, count)
+  grad_is_bf16 = grad.dtype == ml_dtypes.bfloat16
+  f32 = np.float32
+  _undo_kernel(grad_is_bf16)(
+      param.reshape(-1), _bits(grad) if grad_is_bf16 else grad.reshape(-1), mu.reshape(-1),
+      nu.reshape(-1), f32(grad_scale), f32(learning_rate), f32(b1), f32(b2), f32(1 - b1),
+      f32(1 - b2), f32(eps), f32(1 - learning_rate * weight_decay), f32(1 - b1**count),
+      f32(1 - b2**count))
+
+
 def _salt(value: int) -> np.uint32:
   """``jaxoffload.rounding``'s salt for ``value``: spread by the golden ratio, in 32 bits."""
   return np.uint32((value * rounding.GOLDEN) & 0xFFFFFFFF)
@@ -222,6 +272,19 @@ def _salt(value: int) -> np.uint32:
 def _bits(array: np.ndarray) -> np.ndarray:
   """A bfloat16 array's elements as their uint16 bits, flat: how the kernels take them."""
   return array.reshape(-1).view(np.uint16)
+
+
+def _check_step_arrays(param, grad, mu, nu, copy, count: int, *,
+                       moment_dtypes: tuple = (np.float32,)) -> None:
+  """Raises ValueError naming the first of the step's arrays or ``count`` the kernel refuses."""
+  allowed = {"grad": (np.float32, ml_dtypes.bfloat16), "copy": (ml_dtypes.bfloat16,),
+             "mu": moment_dtypes, "nu": moment_dtypes}
+  arrays = {"param": param, "grad": grad, "mu": mu, "nu": nu, "copy": copy}
+  for name, array in arrays.items():
+    if array is not None:
+      _check_array(name, array, allowed.get(name, (np.float32,)), param, "param")
+  if count < 1:
+    raise ValueError(f"count must be at least 1 (the first step is 1), got {count}")
 
 
 def writable_view(array: jax.Array) -> np.ndarray:

@@ -119,12 +119,16 @@ class HostAdamW:
     # Only the host reads the moments: plain host memory, outside XLA's pinned pool.
     self._mu = [[np.zeros(v.shape, mu_dtype) for v in views] for views in self._weight_views]
     self._nu = [[np.zeros(v.shape, nu_dtype) for v in views] for views in self._weight_views]
+    self._float32_moments = jnp.dtype(mu_dtype) == jnp.dtype(nu_dtype) == jnp.float32
     self._held: Optional[HeldUpdate] = None  # hold()'s update, until every piece is applied.
     self._background: Optional[concurrent.futures.ThreadPoolExecutor] = None  # hold(order=)'s.
     # Per leaf and shard, the float32 sums of accumulate(); _summed: they hold this step's.
     self._sums: Optional[list[list[np.ndarray]]] = None
     self._summed = False
     self.count = 0  # Updates applied.
+    self.last_grad_scale: Optional[float] = None  # The last update's scale, once read.
+    self.speculated = 0  # Updates applied ahead of their scale (hold(speculative=True)).
+    self.undone = 0  # Of those, the ones taken back: their scale was not 1.
 
   def _place(self, weights: Sequence[jax.Array]) -> None:
     """Takes ``weights`` (arrays no one else holds) as the float32 weights, updated in place,
@@ -227,8 +231,9 @@ class HostAdamW:
     self._summed = True
     return squares
 
-  def hold(self, grads: Mapping[Piece, jax.Array], grad_scale: Union[float, jax.Array] = 1.0,
-           *, order: Optional[Sequence[Piece]] = None) -> None:
+  def hold(self, grads: Mapping[Piece, jax.Array],
+           grad_scale: Union[None, float, jax.Array] = 1.0, *,
+           order: Optional[Sequence[Piece]] = None, speculative: bool = False) -> None:
     """Takes one step's gradients by piece, for ``apply_held`` to apply a piece at a time.
 
     An exact update spread over the next device step: apply each piece just
@@ -241,23 +246,41 @@ class HostAdamW:
 
     Args:
       grads: per piece, its gradient in host memory; together they cover every leaf once.
-      grad_scale: as ``update``'s.
+      grad_scale: as ``update``'s; with ``order``, None: it comes through ``add_held``.
       order: every piece, in the order the device will read them: a thread of this
         object's then applies them from now on, each once its gradient is ready (the
         first in this order among those ready), and ``apply_held`` waits for them. The
         caller's thread stays free to dispatch the device's programs meanwhile. The
         pieces not in ``grads`` come through ``add_held``, while the device still makes
         them: the update then overlaps the backward pass too.
+      speculative: with ``order``, the thread applies pieces before the scale is known,
+        as if it were 1. If it is not, every piece is taken back
+        (``host_adam.adamw_undo``) and applied scaled, however many had started: within
+        a few float32 roundings of applying it scaled at once, and the same whatever
+        the timing. Needs float32 moments.
+
+    Raises:
+      ValueError: for a speculative update without ``order`` or with bfloat16 moments.
     """
+    if speculative and (order is None or not self.can_take_back):
+      raise ValueError("a speculative update needs an order and float32 moments (bfloat16 "
+                       "moments cannot be taken back exactly)")
     self.apply_held()
     if order is not None and self._background is None:
       self._background = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="HostAdamW")
     count, learning_rate = self.count + 1, self._learning_rate(self.count)  # The next update's.
-    self._held = HeldUpdate(
-        grads, lambda piece, grad, scale: self._apply_piece(piece, grad, scale, learning_rate,
-                                                            count),
-        grad_scale, order=order, executor=self._background)
+    apply = lambda undo: (lambda piece, grad, scale: self._apply_piece(
+        piece, grad, scale, learning_rate, count, undo=undo))
+    self._held = HeldUpdate(grads, apply(False), grad_scale, order=order,
+                            executor=self._background,
+                            take_back=apply(True) if speculative else None)
     self.count = count
+    self.speculated += speculative
+
+  @property
+  def can_take_back(self) -> bool:
+    """Whether an update can be taken back (``hold(speculative=True)``): float32 moments."""
+    return self._float32_moments
 
   def apply_held(self, pieces: Optional[Iterable[Piece]] = None) -> None:
     """Applies the held gradients of ``pieces`` (None: all still held), waiting for them;
@@ -269,12 +292,15 @@ class HostAdamW:
       >>> host.apply_held([(0, 0)])  # Before dispatching the program that reads layer 0.
     """
     if self._held is not None and self._held.apply(pieces):
+      self.last_grad_scale = self._held.scale_read
+      self.undone += self._held.taken_back
       self._held = None
 
-  def add_held(self, grads: Mapping[Piece, jax.Array]) -> None:
+  def add_held(self, grads: Mapping[Piece, jax.Array],
+               grad_scale: Union[None, float, jax.Array] = None) -> None:
     """Gives the held update (``hold(order=...)``) more pieces' gradients, as the device
-    makes them."""
-    self._held.add(grads)
+    makes them, and its scale where ``hold`` had none."""
+    self._held.add(grads, grad_scale)
 
   def cancel_held(self, error: BaseException) -> None:
     """Stops the held update's thread, if any, before pieces it waits for come: they and
@@ -359,27 +385,30 @@ class HostAdamW:
     """Applies ``grads`` to the weights in place, once they are ready: the step that read the
     weights has then finished, and the next is not yet dispatched."""
     jax.block_until_ready((grads, grad_scale))
-    scale = host_arrays.read_scalar(grad_scale)
+    scale = self.last_grad_scale = host_arrays.read_scalar(grad_scale)
     self.count += 1
     learning_rate = self._learning_rate(self.count - 1)
     for leaf, grad in enumerate(grads):
       self._apply_piece((leaf, None), grad, scale, learning_rate, self.count)
 
   def _apply_piece(self, piece: Piece, grad: Union[jax.Array, list], scale: float,
-                   learning_rate: float, count: int) -> None:
+                   learning_rate: float, count: int, *, undo: bool = False) -> None:
     """Applies a leaf's gradient, or one layer's of a stacked leaf (``piece``), as update
-    ``count``."""
+    ``count``; with ``undo``, takes that back."""
     leaf, layer = piece
     weights, copies = self._weight_views[leaf], self._copy_views[leaf]
     part = (lambda views: views) if layer is None else (lambda views: views[layer])
     # A leaf's gradient: an array in host memory, or a sum's shards.
     views = grad if isinstance(grad, list) else host_arrays.shard_views(grad)
+    settings = dict(learning_rate=learning_rate, count=count, grad_scale=scale, **self._hyper)
     # Named in a jax.profiler trace, beside the device programs it overlaps.
-    with jax.profiler.TraceAnnotation("HostAdamW update", leaf=leaf,
-                                      layer=-1 if layer is None else layer):
+    with jax.profiler.TraceAnnotation("HostAdamW undo" if undo else "HostAdamW update",
+                                      leaf=leaf, layer=-1 if layer is None else layer):
       for shard, grad_view in enumerate(views):
-        host_adam.adamw_update(part(weights[shard]), grad_view, part(self._mu[leaf][shard]),
-                               part(self._nu[leaf][shard]), learning_rate=learning_rate,
-                               count=count, grad_scale=scale,
-                               copy=None if copies is None else part(copies[shard]),
-                               **self._hyper)
+        arrays = (part(weights[shard]), grad_view, part(self._mu[leaf][shard]),
+                  part(self._nu[leaf][shard]))
+        if undo:
+          host_adam.adamw_undo(*arrays, **settings)
+        else:
+          host_adam.adamw_update(*arrays, copy=None if copies is None else part(copies[shard]),
+                                 **settings)

@@ -151,6 +151,45 @@ def test_gradients_sum_in_float32_and_their_squares_in_float64(problem):
     host_adam.accumulate(total, grads[0][:, :4].copy())
 
 
+@pytest.mark.parametrize("grad_dtype", [np.float32, ml_dtypes.bfloat16])
+def test_an_undone_update_restores_the_state_and_a_scaled_redo_matches_one_update(problem,
+                                                                                  grad_dtype):
+  param, grads = problem
+  settings = dict(learning_rate=1e-2, count=3, **HYPER)
+  rng = np.random.default_rng(1)
+  # Moments of an earlier history, well above a rounding of the new gradient's terms.
+  mu = (0.3 * rng.standard_normal(param.shape)).astype(np.float32)
+  nu = (0.5 + rng.random(param.shape)).astype(np.float32)
+  grad = grads[0].astype(grad_dtype)
+  state = [param.copy(), mu.copy(), nu.copy()]
+  host_adam.adamw_update(state[0], grad, state[1], state[2], **settings)
+  assert not np.array_equal(state[0], param)
+  host_adam.adamw_undo(state[0], grad, state[1], state[2], **settings)
+  for got, want in zip(state, (param, mu, nu)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+  # Undone and redone scaled, as a clipped speculation is: a few roundings from updating
+  # scaled at once (whose own distance from float64 the first test bounds).
+  host_adam.adamw_update(state[0], grad, state[1], state[2], grad_scale=0.05, **settings)
+  once = [param.copy(), mu.copy(), nu.copy()]
+  host_adam.adamw_update(once[0], grad, once[1], once[2], grad_scale=0.05, **settings)
+  np.testing.assert_allclose(state[0], once[0], rtol=1e-6, atol=1e-7)
+  for got, want in zip(state[1:], once[1:]):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_an_undone_second_moment_never_goes_below_zero(problem):
+  param, grads = problem
+  # A first update from zero moments: undone, the second moment is rounding noise around 0.
+  mu, nu = np.zeros_like(param), np.zeros_like(param)
+  settings = dict(learning_rate=1e-2, count=1, **HYPER)
+  host_adam.adamw_update(param, grads[0], mu, nu, **settings)
+  host_adam.adamw_undo(param, grads[0], mu, nu, **settings)
+  assert nu.min() >= 0.0 and nu.max() <= 1e-6 * np.max(grads[0] ** 2)
+  with pytest.raises(ValueError, match="count must be at least 1"):
+    host_adam.adamw_undo(param, grads[0], mu, nu, learning_rate=1e-2, count=0)
+
+
 def test_bfloat16_moments_round_stochastically_as_the_device_does(problem):
   param, grads = problem
   rng = np.random.default_rng(2)
@@ -168,3 +207,5 @@ def test_bfloat16_moments_round_stochastically_as_the_device_does(problem):
     device = np.asarray(rounding.stochastic_round(jnp.asarray(unrounded), salt))
     np.testing.assert_array_equal(stored.view(np.uint16), device.view(np.uint16))
     assert not np.array_equal(stored, unrounded.astype(ml_dtypes.bfloat16))  # Not nearest.
+  with pytest.raises(ValueError, match="mu must be float32, got bfloat16"):
+    host_adam.adamw_undo(*got[:1], grads[0], *got[1:], **settings)

@@ -1,6 +1,7 @@
 """HostAdamW: host updates equal optax's, whole, by piece, summed, sharded and resumed."""
 
 import re
+import time
 
 import jax
 import jax.numpy as jnp
@@ -131,6 +132,43 @@ def test_holding_in_order_checks_the_order_and_raises_the_threads_error():
     host.finish()
 
 
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+def test_speculative_updates_equal_plain_ones_however_far_they_got_ahead(scale):
+  weights, batches = problem()
+  pinned = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+  runs = {}
+  for ahead in (None, 0, 9):  # Not speculative; the scale given before any piece, after all.
+    host = HostAdamW([jax.device_put(np.array(w), pinned) for w in weights],
+                     learning_rate=schedule, **HYPER)
+    for batch in batches:
+      pieces, _ = device_step_by_piece(host.params, batch)
+      if ahead is None:
+        host.hold(pieces, jnp.float32(scale), order=list(pieces))
+      else:
+        host.hold({}, None, order=list(pieces), speculative=True)
+        if ahead == 0:
+          host.add_held({}, jnp.float32(scale))
+        host.add_held(pieces)
+        if ahead == 9:  # Every piece applied ahead of the scale before it comes.
+          deadline = time.monotonic() + 60
+          while host._held._grads and time.monotonic() < deadline:
+            time.sleep(0.01)
+          assert not host._held._grads
+          host.add_held({}, jnp.float32(scale))
+      host.apply_held()
+    runs[ahead] = host.snapshot()
+    assert host.last_grad_scale == scale
+    steps = len(batches)
+    assert (host.speculated, host.undone) == ((0, 0) if ahead is None else
+                                              (steps, 0 if scale == 1 else steps))
+  # The same arithmetic however far the thread got: the result does not depend on timing.
+  assert all(np.array_equal(a, b) for a, b in zip(runs[0], runs[9]))
+  if scale != 1:  # Taken back and applied scaled: a few roundings from applying scaled.
+    assert 0 < max_rel_diff(runs[9], runs[None]) <= 1e-6
+  else:
+    assert all(np.array_equal(a, b) for a, b in zip(runs[9], runs[None]))
+
+
 def test_pieces_given_later_are_checked_and_a_cancelled_update_stays_unfinished():
   weights, batches = problem()
   host = HostAdamW([to_host(w) for w in weights], learning_rate=schedule, **HYPER)
@@ -201,6 +239,9 @@ def test_bfloat16_moments_round_as_the_device_optimizer_rounds_them():
   # Over steps, a float32 rounding apart rounds a moment the other way: near float32's run.
   float32 = optax_reference(weights, batches)
   assert 1e-5 < max_rel_diff(host_run(weights, batches, **compact), float32) <= 1e-3
+  host = HostAdamW([to_host(w) for w in weights], learning_rate=1e-3, **compact)
+  with pytest.raises(ValueError, match="bfloat16 moments cannot be taken back exactly"):
+    host.hold({}, None, order=[(0, None), (1, None)], speculative=True)
   with pytest.raises(ValueError, match="nu_dtype must be float32 or bfloat16, got float16"):
     HostAdamW([to_host(w) for w in weights], learning_rate=1e-3, nu_dtype=jnp.float16)
 

@@ -94,6 +94,8 @@ def save(checkpoints: ocp.CheckpointManager, step: int, trainer: Trainer) -> Non
   """
   state = trainer.checkpoint()  # Applies what the host still holds.
   meta = {"step": step, "config": dataclasses.asdict(trainer.setup.config)}
+  if trainer.host is not None:  # Whether the next update may start before its clipping.
+    meta["host_last_grad_scale"] = trainer.host.last_grad_scale
   with _writing(checkpoints):
     checkpoints.save(step, args=ocp.args.Composite(
         meta=ocp.args.JsonSave(meta), **{name: ocp.args.PyTreeSave(tree)
@@ -185,6 +187,8 @@ def restore_newest(checkpoints: ocp.CheckpointManager, setup: Setup,
     except Exception as error:  # Whatever orbax or tensorstore raise for a damaged step.
       unreadable.append((step, _reason(error)))
       continue
+    if trainer.host is not None:
+      trainer.host.last_grad_scale = meta.get("host_last_grad_scale")
     for bad, reason in unreadable:
       aside = os.path.join(directory, f"{bad}.unreadable")
       os.rename(os.path.join(directory, str(bad)), aside)

@@ -113,6 +113,13 @@ class OptimizerConfig:
       reads it, while the device computes the layers before it: null (the default) does
       so wherever it can (one micro-batch a step, no weights offload), true insists,
       false never does.
+    speculate_cpu_optimizer_step: with that overlap and clipping, after a step whose
+      gradients were not clipped, the host starts the next step's update during its
+      backward pass, as if it would not clip either; a step that does clip has its
+      update taken back and applied again, scaled: within a few float32 roundings of
+      the plain update, and the same whatever the timing, so runs still repeat and
+      resume exactly. Needs float32 moments (never with bfloat16 ones)
+      ([performance](performance.md#optimizer-offload)).
     offload_transfer_dtype: with host_kernel, the dtype in which the device reads the
       offloaded weights and sends their clipped gradients: bfloat16 halves both copies
       for the leaves the model multiplies in bfloat16 (norm scales stay float32);
@@ -161,6 +168,7 @@ class OptimizerConfig:
   optimizer_offload_fraction: Union[float, str] = 0.0
   optimizer_offload_update_on: str = "device"
   overlap_cpu_optimizer_d2h_h2d: Optional[bool] = None
+  speculate_cpu_optimizer_step: bool = True
   offload_transfer_dtype: str = "float32"
   accumulate_offloaded_grads_on: str = "host"
   grad_accum_dtype: Optional[str] = None

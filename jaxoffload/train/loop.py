@@ -120,6 +120,10 @@ def _run(setup: Setup, checkpoints, tensorboard: Optional[metrics.TensorBoard], 
     meter.close()
   if trainer.host is not None:
     trainer.host.finish()
+    if trainer.host.speculated:
+      log(f"host kernel: {trainer.host.speculated} updates started during the backward pass "
+          f"before their clipping, {trainer.host.undone} of them taken back and applied again "
+          f"clipped")
   log(meter.summary())
   return Run(setup, meter.records, compile_s, compiled.device_bytes, host_temp, offloaded_state)
 

@@ -12,7 +12,11 @@ The update is the single program's (exact, the same clipping); only when the
 host applies it moves. A step's host gradients leave the device as each
 layer's backward program ends. Without clipping (``optimizer.clip_grad=0``)
 the update needs no global norm, and the thread starts on each piece as soon
-as its gradient is on the host: during this step's backward pass.
+as its gradient is on the host: during this step's backward pass. With
+clipping, after a step that did not clip, it starts so too, as if this step
+would not clip either (``optimizer.speculate_cpu_optimizer_step``,
+``HostAdamW.hold(speculative=True)``); a step that does clip has its update
+taken back and applied again, scaled.
 """
 
 from __future__ import annotations
@@ -141,10 +145,13 @@ class OverlappedStep:
     squares, device_grads = [], {}
     held = self._collect(head_grads, squares, device_grads)
     # Unclipped, the update needs no norm: it starts with the head's gradients, the first
-    # made, and takes each layer's as its backward program is dispatched.
-    early = host is not None and not self.setup.clips_gradients
+    # made, and takes each layer's as its backward program is dispatched. Clipped, it may
+    # start so after an unclipped step, as if this one were unclipped too.
+    clips = self.setup.clips_gradients
+    early = host is not None and (not clips or (self.setup.speculates
+                                                and host.last_grad_scale == 1.0))
     if early:
-      host.hold(held, 1.0, order=self.update_order)
+      host.hold(held, None if clips else 1.0, order=self.update_order, speculative=clips)
     give = host.add_held if early else held.update
     try:
       self._backward_pass(saved, dx, embed_pullback, shared_embed, run, give, squares,
@@ -155,7 +162,9 @@ class OverlappedStep:
       raise
     device_leaves, opt_state, loss, grad_norm, clip_factor = run(
         "update", self._update, (), device_leaves, opt_state, loss, device_grads, squares)
-    if host is not None and not early:
+    if early and clips:
+      host.add_held({}, clip_factor)
+    elif host is not None and not early:
       host.hold(held, clip_factor, order=self.update_order)
     return device_leaves, opt_state, loss, grad_norm
 

@@ -90,6 +90,15 @@ class Setup:
     return self.config.optimizer.clip_grad > 0
 
   @property
+  def speculates(self) -> bool:
+    """Whether the overlapped host update, clipped, may start during the backward pass as
+    if unclipped (``optimizer.speculate_cpu_optimizer_step``): not with bfloat16 moments,
+    which cannot be taken back exactly."""
+    return (self.overlaps_host_update and self.clips_gradients
+            and self.config.optimizer.speculate_cpu_optimizer_step
+            and not rules.compact_moments(self.config))
+
+  @property
   def sums_on_host(self) -> bool:
     """Whether the host kernel sums its leaves' gradients over micro-batches (a program per
     micro-batch, ``StepPrograms``): with it, several micro-batches and
