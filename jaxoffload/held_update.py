@@ -57,7 +57,7 @@ class HeldUpdate:
   """
 
   def __init__(self, grads: Mapping[Piece, jax.Array], apply_piece: ApplyPiece,
-               grad_scale: Union[float, jax.Array] = 1.0, *,
+               grad_scale: Union[None, float, jax.Array] = 1.0, *,
                order: Optional[Sequence[Piece]] = None,
                executor: Optional[concurrent.futures.Executor] = None,
                take_back: Optional[ApplyPiece] = None):
@@ -87,8 +87,11 @@ class HeldUpdate:
     scale where the update was held without one.
 
     Raises:
-      ValueError: for a piece not in ``order``, or given before; for a second scale.
+      ValueError: without ``order``; for a piece not in ``order``, or given before; for a
+        second scale.
     """
+    if self._applied is None:
+      raise ValueError("only an update held with an order takes pieces later")
     with self._given:
       for piece in grads:
         if piece not in self._applied or piece in self._known:
@@ -173,6 +176,7 @@ class HeldUpdate:
           done.set_exception(error)
 
   def _scale_ready(self) -> bool:
+    """Whether the scale has been given and computed."""
     with self._given:
       return self._scale is not None and all(
           x.is_ready() for x in jax.tree.leaves(self._scale) if isinstance(x, jax.Array))

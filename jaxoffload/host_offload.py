@@ -299,7 +299,13 @@ class HostAdamW:
   def add_held(self, grads: Mapping[Piece, jax.Array],
                grad_scale: Union[None, float, jax.Array] = None) -> None:
     """Gives the held update (``hold(order=...)``) more pieces' gradients, as the device
-    makes them, and its scale where ``hold`` had none."""
+    makes them, and its scale where ``hold`` had none.
+
+    Raises:
+      ValueError: as ``HeldUpdate.add``; when no update is held.
+    """
+    if self._held is None:
+      raise ValueError("add_held gives pieces to a held update: hold(..., order=...) first")
     self._held.add(grads, grad_scale)
 
   def cancel_held(self, error: BaseException) -> None:

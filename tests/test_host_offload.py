@@ -174,12 +174,16 @@ def test_pieces_given_later_are_checked_and_a_cancelled_update_stays_unfinished(
   host = HostAdamW([to_host(w) for w in weights], learning_rate=schedule, **HYPER)
   pieces, scale = device_step_by_piece(host.params, batches[0])
   order = list(pieces)
+  with pytest.raises(ValueError, match=r"hold\(..., order=...\) first"):
+    host.add_held({order[0]: pieces[order[0]]})
   host.hold({order[0]: pieces[order[0]]}, scale, order=order)
   host.apply_held([order[0]])
   for given in (order[0], (2, None)):  # Given before; in no leaf.
     with pytest.raises(ValueError, match=re.escape(f"piece {given} is not in the order, or was "
                                                    "given before")):
       host.add_held({given: pieces[order[0]]})
+  with pytest.raises(ValueError, match="the update already has its scale"):
+    host.add_held({}, scale)
   host.add_held({order[1]: pieces[order[1]]})
   # The step's backward pass failed: the thread must not wait for the pieces that never come.
   host.cancel_held(RuntimeError("backward failed"))

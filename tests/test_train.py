@@ -335,9 +335,9 @@ def test_bfloat16_transfers_change_no_loss_and_keep_norm_scales_float32():
   norm_scales = [leaf_path(path).endswith("norm/scale") for path, _ in paths]
   assert any(norm_scales) and not all(norm_scales)
   host = trainer.host
-  for is_scale, param, grad, weights in zip(norm_scales, host.params, grads, host.weights):
+  for is_scale, param, grad, kept in zip(norm_scales, host.params, grads, host.weights):
     assert param.dtype == grad.dtype == (jnp.float32 if is_scale else jnp.bfloat16)
-    assert weights.dtype == jnp.float32
+    assert kept.dtype == jnp.float32
 
 
 @pytest.mark.slow
