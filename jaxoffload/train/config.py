@@ -116,9 +116,10 @@ class OptimizerConfig:
     speculate_cpu_optimizer_step: with that overlap and clipping, after a step whose
       gradients were not clipped, the host starts the next step's update during its
       backward pass, as if it would not clip either; a step that does clip has its
-      update taken back and applied again, scaled: within a few float32 roundings of
-      the plain update, and the same whatever the timing, so runs still repeat and
-      resume exactly. Needs float32 moments (never with bfloat16 ones)
+      update taken back and applied again, scaled (two more passes over the
+      offloaded state that step): within a few float32 roundings of the plain
+      update, and the same whatever the timing, so runs still repeat and resume
+      exactly. Needs float32 moments (never with bfloat16 ones)
       ([performance](performance.md#optimizer-offload)).
     offload_transfer_dtype: with host_kernel, the dtype in which the device reads the
       offloaded weights and sends their clipped gradients: bfloat16 halves both copies
