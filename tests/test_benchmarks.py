@@ -39,6 +39,8 @@ def test_every_benchmark_has_help(script, capsys, monkeypatch):
     (["benchmarks/optimizer_step.py", "--size", "miniature", "--steps", "1", "--fractions", "0.5",
       "--modes", "device"], "update_on"),
     (["benchmarks/host_memory.py", "train.train_iters=1"], "phases"),
+    (["benchmarks/offload_table.py", "--steps", "1", "--fractions", "0.5", "--columns",
+      "unclipped"], "step_ratio"),
     (["benchmarks/host_memory_share.py", "--host", "0.1", "--stream", "0.1", "--layers", "2",
       "--matmul", "64", "--repeats", "1"], "parts"),
     # The calibration that exploring needs has a test of its own (test_plan).
