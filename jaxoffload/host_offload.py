@@ -17,7 +17,9 @@ a piece at a time (a leaf, or one layer of a leaf stacked over layers): apply
 each piece just before dispatching the program that reads it, and the host
 updates the later layers while the device computes the first
 (``jaxoffload.train.overlap``); given the order, a thread applies them
-(``jaxoffload.held_update``).
+(``jaxoffload.held_update``), from the moment their gradients come through
+``add_held``, even before their scale (``hold(speculative=True)``: an update
+whose scale is not 1 is taken back, ``host_adam.adamw_undo``, and applied scaled).
 
 The update writes into JAX arrays behind JAX's back (``host_adam.writable_view``):
 keep to the loop below (dispatch the step, then ``update``), and never pass
@@ -245,7 +247,8 @@ class HostAdamW:
     now; ``params`` holds it once every piece is applied.
 
     Args:
-      grads: per piece, its gradient in host memory; together they cover every leaf once.
+      grads: per piece, its gradient in host memory; with those ``add_held`` gives later,
+        they cover every leaf once.
       grad_scale: as ``update``'s; with ``order``, None: it comes through ``add_held``.
       order: every piece, in the order the device will read them: a thread of this
         object's then applies them from now on, each once its gradient is ready (the

@@ -156,12 +156,12 @@ class OverlappedStep:
     try:
       self._backward_pass(saved, dx, embed_pullback, shared_embed, run, give, squares,
                           device_grads)
-    except BaseException as error:  # The thread must not wait for pieces that never come.
+      device_leaves, opt_state, loss, grad_norm, clip_factor = run(
+          "update", self._update, (), device_leaves, opt_state, loss, device_grads, squares)
+    except BaseException as error:  # The thread must not wait for what never comes.
       if early:
         host.cancel_held(error)
       raise
-    device_leaves, opt_state, loss, grad_norm, clip_factor = run(
-        "update", self._update, (), device_leaves, opt_state, loss, device_grads, squares)
     if early and clips:
       host.add_held({}, clip_factor)
     elif host is not None and not early:

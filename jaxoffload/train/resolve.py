@@ -86,7 +86,8 @@ class Setup:
   @property
   def clips_gradients(self) -> bool:
     """Whether the update clips the gradients by their global norm (``optimizer.clip_grad``
-    > 0): the host kernel's overlapped update then waits for the whole backward pass."""
+    > 0): the host kernel's overlapped update then needs the whole backward pass's norm,
+    or speculates (``speculates``)."""
     return self.config.optimizer.clip_grad > 0
 
   @property
@@ -270,7 +271,8 @@ def overlap_seconds(config: Config) -> float:
   the backward pass too; 0 where it does not overlap."""
   if not rules.host_update_overlaps(config):
     return 0.0
-  # The backward pass does twice the forward's work.
+  # The backward pass does twice the forward's work. Clipped, priced as if every step
+  # clipped: a speculated update starts earlier only after a step that did not.
   return forward_seconds(config) * (1 if config.optimizer.clip_grad else 3)
 
 
