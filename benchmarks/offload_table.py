@@ -33,7 +33,8 @@ from common import metadata, write_report
 from jaxoffload.train import load_config
 
 OFFLOAD = ["optimizer.optimizer_cpu_offload=True"]
-HOST_KERNEL = [*OFFLOAD, "optimizer.optimizer_offload_update_on=host_kernel"]
+ON_HOST_KERNEL = "optimizer.optimizer_offload_update_on=host_kernel"
+HOST_KERNEL = [*OFFLOAD, ON_HOST_KERNEL]
 # With the host kernel, for a model that computes in bfloat16.
 HALVED = ["optimizer.offload_transfer_dtype=bfloat16"]
 # Per column: overrides for its baseline too (clipping), and for its offloaded settings.
@@ -50,7 +51,7 @@ NOISE = "baseline again"  # jaxoffload.bench's name for the baseline's second ru
 def run_column(args: argparse.Namespace, column: str) -> list[dict]:
   """One bench run for ``column``; its results, each setting named by its fraction."""
   common, offloaded = COLUMNS[column]
-  if offloaded[:2] == HOST_KERNEL and (
+  if ON_HOST_KERNEL in offloaded and (
       load_config(args.config, args.overrides).model.dtype == "bfloat16"):
     offloaded = [*offloaded, *HALVED]
   out = f"{args.out}_{column}"

@@ -144,28 +144,26 @@ class OverlappedStep:
                                              tokens)
     squares, device_grads = [], {}
     held = self._collect(head_grads, squares, device_grads)
-    # Unclipped, the update needs no norm: it starts with the head's gradients, the first
-    # made, and takes each layer's as its backward program is dispatched. Clipped, it may
-    # start so after an unclipped step, as if this one were unclipped too.
+    # The update takes the head's gradients, the first made, and each layer's as its backward
+    # program is dispatched. Unclipped, it needs no norm and starts at once; clipped, it
+    # waits for the clipping factor, or after an unclipped step starts as if this one were
+    # unclipped too.
     clips = self.setup.clips_gradients
-    early = host is not None and (not clips or (self.setup.speculates
-                                                and host.last_grad_scale == 1.0))
-    if early:
-      host.hold(held, None if clips else 1.0, order=self.update_order, speculative=clips)
-    give = host.add_held if early else held.update
+    if host is not None:
+      host.hold(held, None if clips else 1.0, order=self.update_order,
+                speculative=clips and self.setup.speculates and host.last_grad_scale == 1.0)
     try:
-      self._backward_pass(saved, dx, embed_pullback, shared_embed, run, give, squares,
+      self._backward_pass(saved, dx, embed_pullback, shared_embed, run,
+                          host.add_held if host is not None else held.update, squares,
                           device_grads)
       device_leaves, opt_state, loss, grad_norm, clip_factor = run(
           "update", self._update, (), device_leaves, opt_state, loss, device_grads, squares)
     except BaseException as error:  # The thread must not wait for what never comes.
-      if early:
+      if host is not None:
         host.cancel_held(error)
       raise
-    if early and clips:
+    if host is not None and clips:
       host.add_held({}, clip_factor)
-    elif host is not None and not early:
-      host.hold(held, clip_factor, order=self.update_order)
     return device_leaves, opt_state, loss, grad_norm
 
   def _backward_pass(self, saved, dx, embed_pullback, shared_embed, run, give, squares,
