@@ -67,8 +67,9 @@ def test_llama_1b_is_tinyllamas_shape():
      "it needs optimizer.optimizer_offload_update_on=device, host_kernel or auto, got 'host'"),
     (["optimizer.overlap_cpu_optimizer_d2h_h2d=True",
       "optimizer.optimizer_offload_update_on=host_kernel", "train.micro_batch_size=4"],
-     "optimizer.overlap_cpu_optimizer_d2h_h2d=True with the host kernel: it runs one micro-batch "
-     "a step: train.micro_batch_size=4 must equal train.global_batch_size=8"),
+     "optimizer.overlap_cpu_optimizer_d2h_h2d=True with the host kernel: with several "
+     "micro-batches it sums every gradient on the device: "
+     "optimizer.accumulate_offloaded_grads_on must be 'device', got 'host'"),
 ])
 def test_reference_rules_refuse_with_its_wording(overrides, message):
   with pytest.raises(ConfigError, match=message):

@@ -12,6 +12,7 @@ import numpy as np
 import optax
 import pytest
 
+from jaxoffload.model import group_name
 from jaxoffload.placement import leaf_path
 from jaxoffload.train import Trainer, load_config, resolve, rules, run, train, weights
 from jaxoffload.train import optimizer as train_optimizer
@@ -115,8 +116,17 @@ SLOW = pytest.mark.slow
                   "model.cpu_offloading=True", "model.cpu_offloading_num_layers=2"],
                  marks=SLOW, id="host-kernel-all-overlapped-activations"),
     pytest.param([*HOST_KERNEL, "train.micro_batch_size=4",
-                  "optimizer.accumulate_offloaded_grads_on=device"], marks=SLOW,
+                  "optimizer.accumulate_offloaded_grads_on=device",
+                  "optimizer.overlap_cpu_optimizer_d2h_h2d=False"], marks=SLOW,
                  id="host-kernel-summing-on-the-device"),
+    # Two micro-batches: the first adds, the last sends; four: one in the middle too.
+    pytest.param([*HOST_KERNEL, "train.micro_batch_size=4",
+                  "optimizer.accumulate_offloaded_grads_on=device"], marks=SLOW,
+                 id="host-kernel-overlapped-accumulation"),
+    pytest.param([*HOST_KERNEL[:1], "optimizer.optimizer_offload_fraction=1.0", *HOST_KERNEL[2:],
+                  "train.micro_batch_size=2", "optimizer.accumulate_offloaded_grads_on=device",
+                  "optimizer.clip_grad=0"], marks=SLOW,
+                 id="host-kernel-all-overlapped-accumulation-unclipped"),
     pytest.param(["model.cpu_offloading=True", "model.cpu_offloading_num_layers=3",
                   "model.cpu_offloading_weights=True", *HOST_KERNEL[:1],
                   "optimizer.optimizer_offload_fraction=1.0", *HOST_KERNEL[2:]], marks=SLOW,
@@ -211,8 +221,11 @@ def test_an_overlapped_update_of_a_shared_embedding_sums_both_its_gradients():
 
 @pytest.mark.parametrize("overrides", [
     pytest.param([], marks=SLOW, id="no-offload"),
-    pytest.param([*HOST_KERNEL, "optimizer.accumulate_offloaded_grads_on=device"], marks=SLOW,
+    pytest.param([*HOST_KERNEL, "optimizer.accumulate_offloaded_grads_on=device",
+                  "optimizer.overlap_cpu_optimizer_d2h_h2d=False"], marks=SLOW,
                  id="host-kernel-one-program"),
+    pytest.param([*HOST_KERNEL, "optimizer.accumulate_offloaded_grads_on=device"], marks=SLOW,
+                 id="host-kernel-overlapped"),
     pytest.param(HOST_KERNEL, marks=SLOW, id="host-kernel-summing-on-the-host"),
 ])
 def test_bfloat16_gradient_sums_halve_their_memory_and_track_float32(overrides):
@@ -222,20 +235,29 @@ def test_bfloat16_gradient_sums_halve_their_memory_and_track_float32(overrides):
                                 f"optimizer.grad_accum_dtype={dtype}", *overrides])
     setup = resolve(config)
     tokens = setup.global_batch(0)
-    compiled = Trainer.from_shapes(setup).compile(jax.ShapeDtypeStruct(
-        tokens.shape, tokens.dtype, sharding=tokens.sharding))
-    hlo = "".join(program.as_text() for program in compiled.programs)
+    trainer = Trainer.from_shapes(setup)
+    compiled = trainer.compile(jax.ShapeDtypeStruct(tokens.shape, tokens.dtype,
+                                                    sharding=tokens.sharding))
+    if setup.overlaps_host_update:  # What a middle micro-batch's programs take and give.
+      hlo = "".join(program.as_text().split("\n", 1)[0]
+                    for name, program in trainer.overlapped.compiled.items()
+                    if name.endswith(" middle"))
+    else:
+      hlo = "".join(program.as_text() for program in compiled.programs)
     runs[dtype] = compiled.device_bytes, hlo, train(config, log=QUIET)
-  # The device sums every leaf but those the host kernel sums in host memory.
+  # The device sums every leaf but those the host kernel sums in host memory; the overlapped
+  # step a layer at a time.
   on_host = setup.offload.offloaded if setup.sums_on_host else ()
-  summed = [x for i, x in enumerate(jax.tree.leaves(setup.param_shapes))
-            if not (on_host and on_host[i])]
-  for x in summed:  # Carried from one micro-batch to the next in bfloat16.
-    assert f"bf16[{','.join(map(str, x.shape))}]" in runs["bfloat16"][1], x.shape
+  groups = {group_name(g) for g in setup.groups} if setup.overlaps_host_update else set()
+  paths, _ = jax.tree_util.tree_flatten_with_path(setup.param_shapes)
+  summed = [(path, x) for i, (path, x) in enumerate(paths) if not (on_host and on_host[i])]
+  for path, x in summed:  # Carried from one micro-batch to the next in bfloat16.
+    shape = x.shape[1:] if path[0].key in groups else x.shape
+    assert f"bf16[{','.join(map(str, shape))}]" in runs["bfloat16"][1], shape
   if jax.default_backend() == "cpu":
     # Two bytes an element fewer, less what the compiler's peak hides of them. (A GPU's
     # peak for so small a model falls where no sum is live: in its libraries' workspaces.)
-    assert runs["float32"][0] - runs["bfloat16"][0] >= 1.5 * sum(x.size for x in summed)
+    assert runs["float32"][0] - runs["bfloat16"][0] >= 1.5 * sum(x.size for _, x in summed)
   # Four micro-batches a step: each addition is off by less than a bfloat16 step.
   np.testing.assert_allclose(runs["bfloat16"][2], runs["float32"][2], rtol=1e-4)
 
@@ -249,7 +271,8 @@ def test_bfloat16_gradient_sums_halve_their_memory_and_track_float32(overrides):
                  marks=SLOW, id="host-sums"),
     pytest.param(["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5",
                   "optimizer.optimizer_offload_update_on=host_kernel", "train.micro_batch_size=4",
-                  "optimizer.accumulate_offloaded_grads_on=device"],
+                  "optimizer.accumulate_offloaded_grads_on=device",
+                  "optimizer.overlap_cpu_optimizer_d2h_h2d=False"],
                  marks=SLOW, id="device-sums")])
 def test_train_step_compiles_once(overrides):
   setup = resolve(load_config(None, overrides))

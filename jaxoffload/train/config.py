@@ -111,8 +111,9 @@ class OptimizerConfig:
       more piece of device memory). With host_kernel, the model runs a program per layer
       and the host applies each layer's update just before the next step's forward pass
       reads it, while the device computes the layers before it: null (the default) does
-      so wherever it can (one micro-batch a step, no weights offload), true insists,
-      false never does.
+      so wherever it can (no weights offload; with several micro-batches, gradient sums
+      on the device: accumulate_offloaded_grads_on=device), true insists, false never
+      does.
     speculate_cpu_optimizer_step: with that overlap and clipping, after a step whose
       gradients were not clipped, the host starts the next step's update during its
       backward pass, as if it would not clip either; a step that does clip has its
@@ -129,8 +130,9 @@ class OptimizerConfig:
       the host kernel's leaves' gradients are summed over the micro-batches: host (a
       program per micro-batch; the model fetches their stacked weights a layer at a
       time and their gradients leave the device as they are made, so the device
-      holds neither them nor their sums) or device (one program summing every
-      leaf's gradients on the device, in grad_accum_dtype: faster where the sums
+      holds neither them nor their sums) or device (every leaf's gradients summed
+      on the device, in grad_accum_dtype, and the host's update overlapping the
+      device's work as overlap_cpu_optimizer_d2h_h2d says: faster where the sums
       fit; ``python -m jaxoffload.plan`` tries both).
     grad_accum_dtype: with gradient accumulation, the dtype of the device's sums of
       the gradients over micro-batches (DeepSpeed's name); null: float32. bfloat16

@@ -101,7 +101,7 @@ class StepPrograms:
     setup = self.setup
     params = self.model_params(device_leaves, host_leaves)
     loss, grads = mean_loss_and_grads(setup.llama, params, tokens, setup.micro_batches,
-                                      setup.grad_accum_dtype, step=_count(opt_state))
+                                      setup.grad_accum_dtype, step=step_count(opt_state))
     host_grads = []
     if setup.host_kernel:
       host_grads = [to_host(g.astype(d))
@@ -138,11 +138,13 @@ class StepPrograms:
     return (loss_sum + loss, totals), [
         to_host(g.astype(d)) for g, d in zip(self.host_leaves(leaves), setup.transfer_dtypes)]
 
-  def apply_sums(self, device_leaves, opt_state, sums, host_squares):
+  def apply_sums(self, device_leaves, opt_state, sums, host_squares, count=None):
     """The update from the micro-batches' sums: their mean, clipped by the global norm, to
-    which the host kernel's leaves add ``host_squares`` (their sums' squares, summed)."""
+    which the host kernel's leaves add ``host_squares`` (their sums' squares, summed).
+    ``count``: how many micro-batches the sums are over (the config's unless given; 1 for
+    sums that are their mean already)."""
     setup = self.setup
-    count = setup.micro_batches
+    count = count or setup.micro_batches
     loss_sum, totals = sums
     device = iter([t.astype(jnp.float32) / count for t in totals])
     # The host kernel's leaves stand in as one number whose square is their share of the
@@ -177,12 +179,12 @@ class StepPrograms:
     device_params = jax.tree.map(to_device, params)
     updates, opt_state = self.optimizer.update(grads, opt_state, device_params)
     # bfloat16 parameters move by their updates in expectation (optimizer.main_params_dtype).
-    new_params = rounding.apply_updates(device_params, updates, _count(opt_state))
+    new_params = rounding.apply_updates(device_params, updates, step_count(opt_state))
     new_params = jax.tree.map(lambda p, fetched: to_host(p) if fetched else p, new_params,
                               setup.fetched_by_model)
     return self.device_only(jax.tree.leaves(new_params)), opt_state, grad_norm, clip_factor
 
 
-def _count(opt_state: Any) -> jax.Array:
+def step_count(opt_state: Any) -> jax.Array:
   """The updates applied so far, as the optimizer's state counts them."""
   return otu.tree_get_all_with_path(opt_state, "count")[0][1]

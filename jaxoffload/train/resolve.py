@@ -267,13 +267,16 @@ def forward_seconds(config: Config) -> float:
 
 def overlap_seconds(config: Config) -> float:
   """About how much device time a step of ``config`` hides the host kernel's update under:
-  the next forward pass where the trainer overlaps them (``train.overlap``), and unclipped
-  the backward pass too; 0 where it does not overlap."""
+  the next forward pass of the first micro-batch where the trainer overlaps them
+  (``train.overlap``), and unclipped the last micro-batch's backward pass too; 0 where it
+  does not overlap."""
   if not rules.host_update_overlaps(config):
     return 0.0
+  t = config.train
+  micro_batches = t.global_batch_size // t.micro_batch_size
   # The backward pass does twice the forward's work. Clipped, priced as if every step
   # clipped: a speculated update starts earlier only after a step that did not.
-  return forward_seconds(config) * (1 if config.optimizer.clip_grad else 3)
+  return forward_seconds(config) / micro_batches * (1 if config.optimizer.clip_grad else 3)
 
 
 def price_updates(config: Config, offload: OffloadPlan, machine: autoplace.Machine, *,

@@ -212,12 +212,14 @@ def host_update_overlaps(config: Config) -> bool:
 
 def host_update_overlap_blocker(config: Config) -> Optional[str]:
   """Why the host kernel's update cannot overlap the next forward pass a program per layer
-  (``train.overlap``), or None where it can: it needs one micro-batch a step and weights on
-  the device."""
-  m, t = config.model, config.train
-  if t.micro_batch_size != t.global_batch_size:
-    return (f"it runs one micro-batch a step: train.micro_batch_size={t.micro_batch_size} "
-            f"must equal train.global_batch_size={t.global_batch_size}")
+  (``train.overlap``), or None where it can: it needs weights on the device and, with
+  several micro-batches, the gradients summed there."""
+  m, o, t = config.model, config.optimizer, config.train
+  if (t.micro_batch_size != t.global_batch_size
+      and o.accumulate_offloaded_grads_on != "device"):
+    return (f"with several micro-batches it sums every gradient on the device: "
+            f"optimizer.accumulate_offloaded_grads_on must be 'device', got "
+            f"{o.accumulate_offloaded_grads_on!r}")
   if m.cpu_offloading and m.cpu_offloading_weights:
     return ("it runs a program per layer; model.cpu_offloading_weights=True brings weights "
             "in inside the model's scan: set one")
