@@ -68,6 +68,7 @@ class HeldUpdate:
     self._grads, self._apply_piece, self._scale = dict(grads), apply_piece, grad_scale
     self._take_back = take_back
     self.scale_read: Optional[float] = None  # The scale, once read.
+    self.applied_ahead = 0  # Pieces the thread applied before it read the scale.
     # With an order: per piece, done once the thread has applied it.
     self._applied: Optional[dict[Piece, concurrent.futures.Future]] = None
     if order is not None:
@@ -162,6 +163,7 @@ class HeldUpdate:
         if self.scale_read is None:
           self._apply_piece(piece, grad, 1.0)
           ahead.append((piece, grad))
+          self.applied_ahead += 1
           continue
         if self._take_back is not None and self.scale_read != 1.0:
           self._apply_piece(piece, grad, 1.0)  # The arithmetic of the pieces applied ahead.

@@ -281,6 +281,12 @@ class HostAdamW:
     self.speculated += speculative
 
   @property
+  def pieces_applied_ahead(self) -> int:
+    """How many pieces of the held update its thread has applied before reading their
+    scale (``hold(speculative=True)``); 0 with none held."""
+    return 0 if self._held is None else self._held.applied_ahead
+
+  @property
   def can_take_back(self) -> bool:
     """Whether an update can be taken back (``hold(speculative=True)``): float32 moments."""
     return self._float32_moments

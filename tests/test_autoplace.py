@@ -100,6 +100,9 @@ def test_the_trainer_prices_the_overlap_where_it_overlaps(monkeypatch):
     assert host_kernel_s(not_overlapped) - host_kernel_s() == pytest.approx(forward)
   # Unclipped, the update starts in the backward pass, twice the forward's work.
   assert host_kernel_s() - host_kernel_s("optimizer.clip_grad=0") == pytest.approx(2 * forward)
+  # Of two micro-batches summed on the device, only the first's forward pass hides it.
+  summed = ["train.micro_batch_size=2", "optimizer.accumulate_offloaded_grads_on=device"]
+  assert host_kernel_s(*summed) - host_kernel_s() == pytest.approx(forward / 2)
 
 
 @pytest.mark.parametrize("machine, host_kernel", [

@@ -95,7 +95,8 @@ class OverlappedStep:
       out = jax.tree.map(lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                                   sharding=sharding),
                          shapes, self._compiled[key].output_shardings)
-      heads.extend([key] if key.startswith("head") else [])
+      if key.startswith("head"):
+        heads.append(key)
       if not heads and (key.startswith("forward") or key == "embed forward"):
         saved.extend(jax.tree.leaves(out[1]))  # One micro-batch's: the first.
       return out
@@ -160,8 +161,8 @@ class OverlappedStep:
     embedding's pullback and each layer's ``(name, index, pullback structure, leaves)``."""
     weights = lambda name, index=None: self._weights(name, index, device_leaves, host_params,
                                                      run, host, fetched)
-    x, embed_pullback = run("embed forward", self.piece.embed_forward, (), *weights(layered.EMBED),
-                            tokens, np.int32(micro))
+    x, embed_pullback = run("embed forward", self.piece.embed_forward, (),
+                            *weights(layered.EMBED), tokens, np.int32(micro))
     saved = []
     for name, group in self.piece.layer_groups.items():
       for index in range(group.stop - group.start):
