@@ -160,16 +160,23 @@ def test_unclipped_host_kernel_losses_equal_the_unclipped_baseline(overrides):
                              whole_model, rtol=1e-5)
 
 
-# The tiny model's gradient norms over 8 steps: 0.81 0.74 0.79 0.91 0.86 1.1 1.38 1.42. At
-# clip_grad=1, steps 2-6 start early, after an unclipped step, and step 6 clips.
+# The tiny model's gradient norms over 8 steps: 0.81 0.74 0.79 0.91 0.86 1.1 1.38 1.42 (the
+# same over micro-batches, whose mean is the batch's gradient). At clip_grad=1, steps 2-6
+# start early, after an unclipped step, and step 6 clips.
 @SLOW
 @pytest.mark.parametrize("clip_grad, speculated, undone", [(1e6, 7, 0), (1.0, 5, 1)])
+@pytest.mark.parametrize("micro_batches", [
+    pytest.param([], id="one-micro-batch"),
+    pytest.param(["train.micro_batch_size=4", "optimizer.accumulate_offloaded_grads_on=device"],
+                 id="two-micro-batches")])
 def test_updates_started_before_their_clipping_equal_those_started_after_it(
-    clip_grad, speculated, undone):
+    clip_grad, speculated, undone, micro_batches):
   def run(speculate):
     setup = resolve(load_config(None, [
         *HOST_KERNEL[:1], "optimizer.optimizer_offload_fraction=1.0", *HOST_KERNEL[2:],
-        f"optimizer.clip_grad={clip_grad}", f"optimizer.speculate_cpu_optimizer_step={speculate}"]))
+        f"optimizer.clip_grad={clip_grad}", f"optimizer.speculate_cpu_optimizer_step={speculate}",
+        *micro_batches]))
+    assert setup.overlaps_host_update
     trainer = Trainer(setup, weights.initial(setup))
     norms = [float(trainer.step(setup.global_batch(step))[1]) for step in range(8)]
     trainer.host.finish()
