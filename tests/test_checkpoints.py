@@ -32,12 +32,16 @@ HOST_KERNEL = ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offl
                                 "model.dtype=bfloat16"], marks=pytest.mark.slow),
     pytest.param(HOST_KERNEL + ["optimizer.exp_avg_dtype=bfloat16",
                                 "optimizer.exp_avg_sq_dtype=bfloat16"], marks=pytest.mark.slow),
+    # Overlapped over micro-batches: bfloat16 sums rounded as salted by the restored count.
+    pytest.param(HOST_KERNEL + ["train.micro_batch_size=4",
+                                "optimizer.accumulate_offloaded_grads_on=device",
+                                "optimizer.grad_accum_dtype=bfloat16"], marks=pytest.mark.slow),
     # Tokenized text with a held-out split and evaluations: the batches are a
     # function of the step, and the evaluations' losses land in the records.
     pytest.param(["data.dataset=text", "data.tokenizer=tests/fixtures/tiny_llama",
                   "eval.interval=3", "eval.iters=2"], marks=pytest.mark.slow),
 ], ids=["plain", "host-kernel", "host-kernel-bfloat16", "host-kernel-bfloat16-moments",
-         "text-with-evaluation"])
+         "host-kernel-overlapped-bfloat16-sums", "text-with-evaluation"])
 def test_resume_continues_exactly(tmp_path, offload):
   whole = train(load_config(None, ["train.train_iters=10", *offload]), log=QUIET)
   with_checkpoints = load_config(None, ["train.train_iters=10", f"checkpoint.dir={tmp_path}",
