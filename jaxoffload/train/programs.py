@@ -138,7 +138,7 @@ class StepPrograms:
     return (loss_sum + loss, totals), [
         to_host(g.astype(d)) for g, d in zip(self.host_leaves(leaves), setup.transfer_dtypes)]
 
-  def apply_sums(self, device_leaves, opt_state, sums, host_squares, count=None):
+  def apply_sums(self, device_leaves, opt_state, sums, host_squares, *, count=None):
     """The update from the micro-batches' sums: their mean, clipped by the global norm, to
     which the host kernel's leaves add ``host_squares`` (their sums' squares, summed).
     ``count``: how many micro-batches the sums are over (the config's unless given; 1 for
