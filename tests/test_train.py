@@ -214,11 +214,18 @@ def test_the_host_kernel_overlaps_the_next_forward_pass_wherever_it_can():
   assert trainer().overlapped is not None
   assert trainer("optimizer.overlap_cpu_optimizer_d2h_h2d=False").overlapped is None
   assert trainer("train.micro_batch_size=4").overlapped is None  # A program per micro-batch.
+  assert trainer("train.micro_batch_size=4",
+                 "optimizer.accumulate_offloaded_grads_on=device").overlapped is not None
 
 
 @SLOW
-def test_an_overlapped_update_of_a_shared_embedding_sums_both_its_gradients():
-  shared = [f"train.train_iters={STEPS}", "model.share_embeddings_and_output_weights=True"]
+@pytest.mark.parametrize("micro_batches", [
+    pytest.param([], id="one-micro-batch"),
+    pytest.param(["train.micro_batch_size=4", "optimizer.accumulate_offloaded_grads_on=device"],
+                 id="two-micro-batches")])
+def test_an_overlapped_update_of_a_shared_embedding_sums_both_its_gradients(micro_batches):
+  shared = [f"train.train_iters={STEPS}", "model.share_embeddings_and_output_weights=True",
+            *micro_batches]
   whole_model = train(load_config(None, shared), log=QUIET)
   overlapped = train(load_config(None, [*shared, *HOST_KERNEL[:1],
                                         "optimizer.optimizer_offload_fraction=1.0",
