@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import numpy as np
@@ -39,6 +39,19 @@ from jaxoffload import layered
 from jaxoffload.host_offload import HostAdamW
 from jaxoffload.train.pieces import PiecePrograms
 from jaxoffload.train.programs import StepPrograms
+
+
+class _Step(NamedTuple):
+  """What one step's programs read beside their own outputs."""
+
+  device_leaves: list
+  host_params: list  # The host kernel's leaves, in host memory.
+  tokens: jax.Array
+  run: Callable  # run(name, jitted, static args, *args): one program.
+  host: Optional[HostAdamW]  # None while compiling.
+  fetched: dict  # Per piece, its host kernel leaves on the device.
+  sums: dict  # Per piece, its gradients' sums over the micro-batches so far.
+  step: Any  # The update's count, which salts the sums' rounding; None for one micro-batch.
 
 
 class OverlappedStep:
@@ -84,9 +97,11 @@ class OverlappedStep:
               ) -> tuple[dict[str, jax.stages.Compiled], int]:
     """Compiles the step's programs for arguments like these (arrays or shapes), which later
     steps then run; returns them by name with the bytes, on one device, of the activations
-    a micro-batch's forward programs keep for the backward ones and of the gradients' sums
-    over micro-batches."""
-    saved, heads = [], []
+    a micro-batch's forward programs keep for the backward ones and, with several
+    micro-batches, of the gradients' sums and the host kernel's weights kept for them."""
+    saved, fetched, heads = [], [], []
+    nbytes = lambda xs: sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+                            for x in xs)
 
     def run(key, jitted, static, *args):
       if key not in self._compiled:
@@ -99,6 +114,8 @@ class OverlappedStep:
         heads.append(key)
       if not heads and (key.startswith("forward") or key == "embed forward"):
         saved.extend(jax.tree.leaves(out[1]))  # One micro-batch's: the first.
+      if key.startswith("fetch"):
+        fetched.append(nbytes(jax.tree.leaves(out)))
       return out
 
     self._chain(device_leaves, host_params, opt_state, tokens, run, None)
@@ -106,8 +123,10 @@ class OverlappedStep:
       saved.extend(jax.ShapeDtypeStruct(x.shape, self.setup.grad_accum_dtype, sharding=sharding)
                    for x, sharding in zip(jax.tree.leaves(self.setup.param_shapes),
                                           jax.tree.leaves(self.setup.param_shardings)))
-    saved_bytes = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-                      for x in saved)
+    # The host kernel's weights on the device: kept for the step's micro-batches, or each
+    # piece's beside the copy its forward program keeps.
+    saved_bytes = nbytes(saved) + (sum(fetched) if self.piece.micro_batches > 1
+                                   else max(fetched, default=0))
     return dict(self._compiled), saved_bytes
 
   def _chain(self, device_leaves, host_params, opt_state, tokens, run, host):
@@ -115,22 +134,12 @@ class OverlappedStep:
     with a ``host``, its held pieces applied as the first forward programs need them."""
     n = self.piece.micro_batches
     step = run("count", self.piece.count, (), opt_state) if n > 1 else None
-    fetched, sums, loss = {}, {}, None
-    for micro in range(n):
-      last = micro == n - 1
-      x, embed_pullback, saved = self._forward_pass(device_leaves, host_params, tokens, micro,
-                                                    run, host, fetched)
-      head = {name: self._weights(name, None, device_leaves, host_params, run, host, fetched)
-              for name in self.piece.head}
-      if last:  # Each layer's backward program then frees the weights its pullback kept.
-        fetched.clear()
-      loss, dx, shared_embed, head_grads = run(
-          f"head {self._stage(micro)}", self.piece.head_step[not last], (last,), head, x, tokens,
-          np.int32(micro), loss, self._take(sums, self.piece.head_grads), step)
-      if not last:
-        sums.update({(name, None): g for name, g in head_grads.items()})
-        self._backward_pass(saved, dx, embed_pullback, shared_embed, run, micro, step, sums,
-                            None)
+    this = _Step(device_leaves, host_params, tokens, run, host, {}, {}, step)
+    loss = None
+    for micro in range(n - 1):  # Their gradients go into the sums.
+      loss = self._add_micro_batch(this, micro, loss)
+    loss, dx, shared_embed, head_grads, embed_pullback, saved = self._forward_and_head(
+        this, n - 1, loss)
     squares, device_grads = [], {}
     held = self._collect(head_grads, squares, device_grads)
     # The update takes the head's gradients, the first made, and each layer's as its backward
@@ -143,7 +152,7 @@ class OverlappedStep:
                 speculative=clips and self.setup.speculates and host.last_grad_scale == 1.0)
     give = host.add_held if host is not None else held.update
     try:
-      self._backward_pass(saved, dx, embed_pullback, shared_embed, run, n - 1, step, sums,
+      self._backward_pass(this, saved, dx, embed_pullback, shared_embed, n - 1,
                           lambda grads, index: give(self._collect(grads, squares, device_grads,
                                                                   index)))
       device_leaves, opt_state, loss, grad_norm, clip_factor = run(
@@ -156,39 +165,58 @@ class OverlappedStep:
       host.add_held({}, clip_factor)
     return device_leaves, opt_state, loss, grad_norm
 
-  def _forward_pass(self, device_leaves, host_params, tokens, micro, run, host, fetched):
-    """Micro-batch ``micro``'s embedding and layers forward: the last layer's output, the
-    embedding's pullback and each layer's ``(name, index, pullback structure, leaves)``."""
-    weights = lambda name, index=None: self._weights(name, index, device_leaves, host_params,
-                                                     run, host, fetched)
-    x, embed_pullback = run("embed forward", self.piece.embed_forward, (),
-                            *weights(layered.EMBED), tokens, np.int32(micro))
+  def _add_micro_batch(self, this: "_Step", micro: int, loss: Any) -> Any:
+    """Micro-batch ``micro``, not the last: its gradients added into the sums; returns the
+    loss summed so far. What it keeps for its backward pass goes on return."""
+    loss, dx, shared_embed, head_grads, embed_pullback, saved = self._forward_and_head(
+        this, micro, loss)
+    this.sums.update({(name, None): g for name, g in head_grads.items()})
+    self._backward_pass(this, saved, dx, embed_pullback, shared_embed, micro, None)
+    return loss
+
+  def _forward_and_head(self, this: "_Step", micro: int, loss: Any) -> tuple:
+    """Micro-batch ``micro``'s forward programs and head: ``(loss summed so far, gradient at
+    the last layer's output, a shared embedding's share of its gradient, the head's
+    gradients, the embedding's pullback, each layer's (name, index, pullback structure,
+    leaves))``."""
+    last = micro == self.piece.micro_batches - 1
+    weights = lambda name, index=None, release=last: self._weights(this, name, index, release)
+    # A shared embedding is the head's too: kept for it.
+    x, embed_pullback = this.run(
+        "embed forward", self.piece.embed_forward, (),
+        *weights(layered.EMBED, release=last and layered.EMBED not in self.piece.head),
+        this.tokens, np.int32(micro))
     saved = []
     for name, group in self.piece.layer_groups.items():
       for index in range(group.stop - group.start):
-        x, pullback = run(f"forward {name}", self.piece.forward, (name,), *weights(name, index),
-                          np.int32(index), x)
+        x, pullback = this.run(f"forward {name}", self.piece.forward, (name,),
+                               *weights(name, index), np.int32(index), x)
         saved.append((name, index, *jax.tree.flatten(pullback)[::-1]))
-    return x, embed_pullback, saved
+    loss, dx, shared_embed, head_grads = this.run(
+        f"head {self._stage(micro)}", self.piece.head_step[not last], (last,),
+        {name: weights(name) for name in self.piece.head}, x, this.tokens, np.int32(micro),
+        loss, self._take(this.sums, self.piece.head_grads), this.step)
+    return loss, dx, shared_embed, head_grads, embed_pullback, saved
 
-  def _backward_pass(self, saved, dx, embed_pullback, shared_embed, run, micro, step, sums,
+  def _backward_pass(self, this: "_Step", saved, dx, embed_pullback, shared_embed, micro,
                      give):
     """Micro-batch ``micro``'s layers' and embedding's backward programs: each adds its
-    gradients into ``sums`` (by piece), or, given ``give``, makes the step's and calls
+    gradients into the sums (by piece), or, given ``give``, makes the step's and calls
     ``give(gradients, layer index)``."""
     last = give is not None
-    stage, adds = self._stage(micro), not last
+    stage, adds, sums = self._stage(micro), not last, this.sums
     # A group's layers share the first one's pullback structure: one compile per group.
     first = {name: structure for name, index, structure, _ in saved if index == 0}
     while saved:  # Each layer's activations go as its backward program ends.
       name, index, _, pullback_leaves = saved.pop()
-      dx, grads = run(f"backward {name} {stage}", self.piece.backward[adds],
-                      (name, first[name], last), pullback_leaves, dx,
-                      sums.pop((name, index), None), step, np.int32(micro))
+      dx, grads = this.run(f"backward {name} {stage}", self.piece.backward[adds],
+                           (name, first[name], last), pullback_leaves, dx,
+                           sums.pop((name, index), None), this.step, np.int32(micro))
       self._file(grads, index, sums, give)
-    self._file(run(f"embed backward {stage}", self.piece.embed_backward[adds], (last,),
-                   embed_pullback, dx, shared_embed, sums.pop((layered.EMBED, None), None),
-                   step, np.int32(micro)), None, sums, give)
+    self._file(this.run(f"embed backward {stage}", self.piece.embed_backward[adds], (last,),
+                        embed_pullback, dx, shared_embed,
+                        sums.pop((layered.EMBED, None), None), this.step, np.int32(micro)),
+               None, sums, give)
 
   @staticmethod
   def _file(grads: dict, index: Any, sums: dict, give: Any) -> None:
@@ -205,18 +233,20 @@ class OverlappedStep:
       return "only"
     return {0: "first", self.piece.micro_batches - 1: "last"}.get(micro, "middle")
 
-  def _weights(self, name, index, device_leaves, host_params, run, host, fetched):
+  def _weights(self, this: "_Step", name: str, index: Any, release: bool) -> tuple[list, list]:
     """Piece ``(name, index)``'s device leaves and its host kernel leaves on the device, cut
     to the layer: brought over, once its held update is applied, by the first micro-batch
-    that reads them."""
+    that reads them, and let go (``release``) by the last, whose pullbacks keep them."""
     key = (name, index)
-    if key not in fetched:
-      if host is not None:
-        host.apply_held(self.piece.host_pieces(name, index))
-      leaves = [host_params[i] for i in self.piece.host_ids.get(name, [])]
-      fetched[key] = (run(f"fetch {name}", self.piece.fetch, (name,), leaves,
-                          None if index is None else np.int32(index)) if leaves else [])
-    return [device_leaves[i] for i in self.piece.device_ids.get(name, [])], fetched[key]
+    if key not in this.fetched:
+      if this.host is not None:
+        this.host.apply_held(self.piece.host_pieces(name, index))
+      leaves = [this.host_params[i] for i in self.piece.host_ids.get(name, [])]
+      this.fetched[key] = (this.run(f"fetch {name}", self.piece.fetch, (name,), leaves,
+                                    None if index is None else np.int32(index))
+                           if leaves else [])
+    fetched = this.fetched.pop(key) if release else this.fetched[key]
+    return [this.device_leaves[i] for i in self.piece.device_ids.get(name, [])], fetched
 
   @staticmethod
   def _take(sums: dict, names: tuple) -> Any:
