@@ -165,7 +165,7 @@ class OverlappedStep:
       host.add_held({}, clip_factor)
     return device_leaves, opt_state, loss, grad_norm
 
-  def _add_micro_batch(self, this: "_Step", micro: int, loss: Any) -> Any:
+  def _add_micro_batch(self, this: _Step, micro: int, loss: Any) -> Any:
     """Micro-batch ``micro``, not the last: its gradients added into the sums; returns the
     loss summed so far. What it keeps for its backward pass goes on return."""
     loss, dx, shared_embed, head_grads, embed_pullback, saved = self._forward_and_head(
@@ -174,7 +174,7 @@ class OverlappedStep:
     self._backward_pass(this, saved, dx, embed_pullback, shared_embed, micro, None)
     return loss
 
-  def _forward_and_head(self, this: "_Step", micro: int, loss: Any) -> tuple:
+  def _forward_and_head(self, this: _Step, micro: int, loss: Any) -> tuple:
     """Micro-batch ``micro``'s forward programs and head: ``(loss summed so far, gradient at
     the last layer's output, a shared embedding's share of its gradient, the head's
     gradients, the embedding's pullback, each layer's (name, index, pullback structure,
@@ -198,7 +198,7 @@ class OverlappedStep:
         loss, self._take(this.sums, self.piece.head_grads), this.step)
     return loss, dx, shared_embed, head_grads, embed_pullback, saved
 
-  def _backward_pass(self, this: "_Step", saved, dx, embed_pullback, shared_embed, micro,
+  def _backward_pass(self, this: _Step, saved, dx, embed_pullback, shared_embed, micro,
                      give):
     """Micro-batch ``micro``'s layers' and embedding's backward programs: each adds its
     gradients into the sums (by piece), or, given ``give``, makes the step's and calls
@@ -233,7 +233,7 @@ class OverlappedStep:
       return "only"
     return {0: "first", self.piece.micro_batches - 1: "last"}.get(micro, "middle")
 
-  def _weights(self, this: "_Step", name: str, index: Any, release: bool) -> tuple[list, list]:
+  def _weights(self, this: _Step, name: str, index: Any, release: bool) -> tuple[list, list]:
     """Piece ``(name, index)``'s device leaves and its host kernel leaves on the device, cut
     to the layer: brought over, once its held update is applied, by the first micro-batch
     that reads them, and let go (``release``) by the last, whose pullbacks keep them."""
