@@ -47,7 +47,7 @@ def optimizer(setup: Setup) -> optax.GradientTransformation:
   else:
     adamw = optax.adamw(setup.schedule, **hyper)
   # The same state with or without clipping: a checkpoint resumes under either.
-  clip = optax.clip_by_global_norm(o.clip_grad) if o.clip_grad else optax.identity()
+  clip = optax.clip_by_global_norm(o.clip_grad) if setup.clips_gradients else optax.identity()
   return optax.chain(clip, adamw)
 
 

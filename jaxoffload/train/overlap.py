@@ -149,7 +149,7 @@ class OverlappedStep:
     clips = self.setup.clips_gradients
     if host is not None:
       host.hold(held, None if clips else 1.0, order=self.update_order,
-                speculative=clips and self.setup.speculates and host.last_grad_scale == 1.0)
+                speculative=self.setup.speculates and host.last_grad_scale == 1.0)
     give = host.add_held if host is not None else held.update
     try:
       self._backward_pass(this, saved, dx, embed_pullback, shared_embed, n - 1,

@@ -174,8 +174,8 @@ class StepPrograms:
     if setup.host_kernel:
       # What clip_by_global_norm multiplies the device leaves' gradients by.
       max_norm = setup.config.optimizer.clip_grad
-      clip_factor = (jnp.where(grad_norm < max_norm, 1.0, max_norm / grad_norm) if max_norm
-                     else jnp.ones(()))
+      clip_factor = (jnp.where(grad_norm < max_norm, 1.0, max_norm / grad_norm)
+                     if setup.clips_gradients else jnp.ones(()))
     device_params = jax.tree.map(to_device, params)
     updates, opt_state = self.optimizer.update(grads, opt_state, device_params)
     # bfloat16 parameters move by their updates in expectation (optimizer.main_params_dtype).

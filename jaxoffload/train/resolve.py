@@ -88,7 +88,7 @@ class Setup:
     """Whether the update clips the gradients by their global norm (``optimizer.clip_grad``
     > 0): the host kernel's overlapped update then needs the whole backward pass's norm,
     or speculates (``speculates``)."""
-    return self.config.optimizer.clip_grad > 0
+    return rules.clips_gradients(self.config)
 
   @property
   def speculates(self) -> bool:
@@ -276,7 +276,7 @@ def overlap_seconds(config: Config) -> float:
   micro_batches = t.global_batch_size // t.micro_batch_size
   # The backward pass does twice the forward's work. Clipped, priced as if every step
   # clipped: a speculated update starts earlier only after a step that did not.
-  return forward_seconds(config) / micro_batches * (1 if config.optimizer.clip_grad else 3)
+  return forward_seconds(config) / micro_batches * (1 if rules.clips_gradients(config) else 3)
 
 
 def price_updates(config: Config, offload: OffloadPlan, machine: autoplace.Machine, *,

@@ -202,6 +202,12 @@ def _check_optimizer(config: Config) -> None:
                       f"optimizer state alike)")
 
 
+def clips_gradients(config: Config) -> bool:
+  """Whether the update clips the gradients by their global norm: ``optimizer.clip_grad``
+  > 0 (0 turns clipping off)."""
+  return config.optimizer.clip_grad > 0
+
+
 def host_update_overlaps(config: Config) -> bool:
   """Whether a host kernel update of ``config`` overlaps the next step's forward pass, a
   program per layer: unless ``optimizer.overlap_cpu_optimizer_d2h_h2d=False``, wherever
