@@ -484,3 +484,45 @@ def test_bfloat16_parameters_train_close_to_float32(baseline_losses):
   losses = train(load_config(None, overrides), log=QUIET)
   # Within bfloat16's rounding of the float32 run's losses.
   np.testing.assert_allclose(losses, baseline_losses, rtol=1e-2)
+
+
+@SLOW
+@pytest.mark.parametrize("micro_batches", [
+    pytest.param([], id="one-micro-batch"),
+    pytest.param(["train.micro_batch_size=4", "optimizer.accumulate_offloaded_grads_on=device"],
+                 id="two-micro-batches")])
+def test_the_overlapped_steps_compiled_peak_bounds_what_its_programs_leave_on_the_device(
+    micro_batches):
+  # Wide layers, so that the host kernel's weights outweigh the activations: a second copy
+  # of them kept on the device would pass the estimate.
+  setup = resolve(load_config(None, [
+      *HOST_KERNEL[:1], "optimizer.optimizer_offload_fraction=1.0", *HOST_KERNEL[2:],
+      "model.hidden_size=512", "model.intermediate_size=1408", "model.seq_length=16",
+      *micro_batches]))
+  tokens = setup.global_batch(0)
+  estimate = Trainer.from_shapes(setup).compile(jax.ShapeDtypeStruct(
+      tokens.shape, tokens.dtype, sharding=tokens.sharding)).device_bytes
+  trainer = Trainer(setup, weights.initial(setup))
+  device_bytes = lambda: sum(a.nbytes for a in jax.live_arrays()
+                             if not a.is_deleted() and a.sharding.memory_kind == "device")
+  before, live = device_bytes(), []
+
+  def measured(program):
+    def run(*args):
+      out = jax.block_until_ready(program(*args))
+      live.append(device_bytes() - before)
+      return out
+    return run
+
+  pieces = trainer.overlapped.piece
+  for name in ("fetch", "forward", "embed_forward", "update"):
+    setattr(pieces, name, measured(getattr(pieces, name)))
+  for programs in (pieces.head_step, pieces.backward, pieces.embed_backward):
+    programs.update({adds: measured(program) for adds, program in programs.items()})
+  for step in range(2):
+    trainer.step(setup.global_batch(step))
+  assert len(live) > 4 * setup.model.num_layers
+  # What lives besides the parameters and state the trainer held before the step.
+  resident = sum(a.nbytes for a in jax.tree.leaves((trainer.params, trainer.opt_state))
+                 if a.sharding.memory_kind == "device")
+  assert max(live) <= estimate - resident, (max(live), estimate, resident)
