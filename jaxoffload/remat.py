@@ -45,6 +45,10 @@ Placements = Optional[Mapping[str, Union[Placement, str]]]
 SAVE_EVERYTHING: Placements = None
 SAVE_NAMED = {name: Placement.SAVE for name in ACTIVATION_NAMES}
 RECOMPUTE_ALL = {name: Placement.RECOMPUTE for name in ACTIVATION_NAMES}
+# Megatron's "selective" recompute: the attention kernel again in the backward pass (and the
+# layer's norms, rotary embedding and MLP activation), every projection's output saved. The
+# layer's input is not named: every remat policy saves it as the layer's argument.
+RECOMPUTE_SELECTIVE = {**SAVE_NAMED, "layer_input": Placement.RECOMPUTE}
 OFFLOAD_ALL = {name: Placement.OFFLOAD for name in ACTIVATION_NAMES}
 
 def check_placements(placements: Mapping[str, Union[Placement, str]], *,
@@ -178,8 +182,8 @@ def layer_groups(num_layers: int, *, offload_num_layers: int = 0,
 
   With Megatron-Bridge's meaning of ``cpu_offloading_num_layers = N``: layers
   ``[0, N)`` use ``offload_placements``, layers ``[N, num_layers)`` use
-  ``base_placements`` (save everything, or recompute under
-  ``recompute_granularity="full"``). With ``offload_weights`` (Megatron's
+  ``base_placements`` (save everything, or recompute some or all under
+  ``recompute_granularity``). With ``offload_weights`` (Megatron's
   ``cpu_offloading_weights``) the first group's weights live in pinned_host.
   Empty groups are left out.
 
@@ -196,7 +200,7 @@ def layer_groups(num_layers: int, *, offload_num_layers: int = 0,
   return tuple(g for g in groups if g.stop > g.start)
 
 
-RECOMPUTE_GRANULARITIES = (None, "full")
+RECOMPUTE_GRANULARITIES = (None, "selective", "full")
 
 
 def megatron_layer_groups(num_layers: int, *, cpu_offloading: bool = False,
@@ -215,7 +219,8 @@ def megatron_layer_groups(num_layers: int, *, cpu_offloading: bool = False,
     cpu_offloading_num_layers: how many leading layers offload, in [0, num_layers - 1].
     cpu_offloading_activations: offload those layers' named activations.
     cpu_offloading_weights: keep those layers' weights in pinned_host.
-    recompute_granularity: None, or "full" to recompute every layer's activations.
+    recompute_granularity: None, "selective" (``RECOMPUTE_SELECTIVE``: the attention kernel
+      and elementwise ops recomputed) or "full" to recompute every layer's activations.
     fine_grained_activation_offloading: Megatron's module-level offload, which
       excludes layer-level offload (and is not implemented here).
     offload_placements: what the offloaded layers do with each named activation.
@@ -229,7 +234,8 @@ def megatron_layer_groups(num_layers: int, *, cpu_offloading: bool = False,
   if recompute_granularity not in RECOMPUTE_GRANULARITIES:
     raise ValueError(f"recompute_granularity must be one of {list(RECOMPUTE_GRANULARITIES)}, "
                      f"got {recompute_granularity!r}")
-  base = RECOMPUTE_ALL if recompute_granularity == "full" else SAVE_EVERYTHING
+  base = {"full": RECOMPUTE_ALL, "selective": RECOMPUTE_SELECTIVE}.get(recompute_granularity,
+                                                                     SAVE_EVERYTHING)
   if fine_grained_activation_offloading:
     if cpu_offloading:
       raise ValueError("fine_grained_activation_offloading cannot be enabled with cpu_offloading.")

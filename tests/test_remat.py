@@ -100,6 +100,8 @@ def test_megatron_settings_make_the_expected_groups():
   assert remat.megatron_layer_groups(4) == remat.layer_groups(4)
   full = remat.megatron_layer_groups(4, recompute_granularity="full")
   assert [g.placements for g in full] == [remat.RECOMPUTE_ALL]
+  selective = remat.megatron_layer_groups(4, recompute_granularity="selective")
+  assert [g.placements for g in selective] == [remat.RECOMPUTE_SELECTIVE]
   groups = remat.megatron_layer_groups(4, cpu_offloading=True, cpu_offloading_num_layers=3,
                                        cpu_offloading_weights=True)
   assert [(g.start, g.stop, g.offload_weights) for g in groups] == [(0, 3, True), (3, 4, False)]
@@ -117,8 +119,8 @@ def test_megatron_settings_make_the_expected_groups():
      "fine_grained_activation_offloading cannot be enabled with cpu_offloading."),
     (dict(cpu_offloading=True, cpu_offloading_num_layers=4),
      r"cpu_offloading_num_layers must be in \[0, num_layers - 1\] = \[0, 3\], got 4"),
-    (dict(recompute_granularity="selective"),
-     r"recompute_granularity must be one of \[None, 'full'\], got 'selective'"),
+    (dict(recompute_granularity="block"),
+     r"recompute_granularity must be one of \[None, 'selective', 'full'\], got 'block'"),
 ])
 def test_megatron_rules_refuse_with_the_reference_wording(settings, message):
   with pytest.raises(ValueError, match=message):

@@ -48,8 +48,9 @@ class ModelConfig(LlamaConfig):
       pinned_host, the rest recomputed: a key of ``jaxoffload.remat.OFFLOAD_PRESETS``
       (all, qkv, attention, mlp, qkv_mlp, matmuls, residual). A jaxoffload extension;
       why qkv: [performance](performance.md#activation-offload).
-    recompute_granularity: null, or full to recompute every layer's activations in
-      the backward pass.
+    recompute_granularity: null to save every activation for the backward pass;
+      selective to recompute the attention kernel and the elementwise ops, saving the
+      projections' outputs; full to recompute every layer's activations.
     fine_grained_activation_offloading: Megatron's module-level offload: not
       implemented (per-name policies cover it); True is refused.
     pipeline_model_parallel_size: must be 1: no pipeline parallelism; shard with mesh.*.
