@@ -3,25 +3,27 @@
 A step split this way runs a program per layer, forward and backward: the
 host can update a layer's weights between the programs that read them (the
 host kernel's overlap, ``jaxoffload.train.overlap``), and a layer's gradients
-are ready while the device computes the layers below. ``jax.vjp`` of a piece
-gives its pullback, whose leaves are the activations the piece saved (as its
-group's remat policy decides); ``backward`` runs a layer's pullback in a
-program of its own. Groups that keep their weights in host memory
-(``offload_weights``, ``fetch_weights``) bring each layer in inside the
-model's scan, and are not run this way.
+are ready while the device computes the layers below. ``layer_forward`` runs a
+layer and keeps the activations its group's remat policy saves, but not the
+layer's weights or input, which its pullback would otherwise hold a copy of
+(a program's outputs are new buffers); ``backward`` runs the layer's backward
+pass in a program of its own from what was kept and those inputs again.
+Groups that keep their weights in host memory (``offload_weights``,
+``fetch_weights``) bring each layer in inside the model's scan, and are not
+run this way.
 
 Example:
   >>> x, embed_pullback = jax.vjp(lambda p: embed(model, p, tokens), params["embed"])
-  >>> x, pullback = jax.vjp(lambda p, x: layer(model, group, p, x),
-  ...                       layer_slice(params[group_name(group)], 0), x)
-  >>> loss, head_pullback = jax.vjp(lambda p, x: head_loss(model, p, x, tokens), head, x)
-  >>> head_grads, dx = head_pullback(1.0)
-  >>> layer_grads, dx = backward(*jax.tree.flatten(pullback)[::-1], dx)
+  >>> weights = layer_slice(params[group_name(group)], 0)
+  >>> y, layout, kept = layer_forward(model, group, weights, x)
+  >>> loss, head_pullback = jax.vjp(lambda p, x: head_loss(model, p, x, tokens), head, y)
+  >>> head_grads, dy = head_pullback(1.0)
+  >>> layer_grads, dx = backward(layout, kept, weights, x, dy)
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple, Optional
 
 import jax
 
@@ -66,9 +68,32 @@ def head_loss(model: Llama, params: dict, x: jax.Array, tokens: jax.Array) -> ja
   return next_token_loss(logits, tokens)
 
 
-def backward(structure: Any, leaves: list, dy: jax.Array) -> tuple[Any, jax.Array]:
-  """A layer's backward pass from its pullback's ``structure`` and ``leaves``: ``(its
-  parameters' gradients, the gradient of its input)``. The leaves are the activations the
-  layer saved; the structure may be any layer's of the same group, so that a jitted
-  ``backward`` compiles once per group."""
-  return jax.tree.unflatten(structure, leaves)(dy)
+class PullbackLayout(NamedTuple):
+  """Where a layer's pullback finds its leaves: those ``layer_forward`` kept, and its inputs."""
+
+  structure: Any  # The pullback's tree structure.
+  sources: tuple[Optional[int], ...]  # Per leaf: its position among the leaves of
+  # (weights, x), or None for the next of those kept.
+
+
+def layer_forward(model: Llama, group: LayerGroup, params: Any, x: jax.Array
+                  ) -> tuple[jax.Array, PullbackLayout, list]:
+  """One layer of ``group`` on ``x``: ``(its output, its pullback's layout, the leaves kept
+  for the backward pass)``. The pullback's leaves that are the layer's weights or ``x``
+  themselves are left out: ``backward`` takes those again."""
+  y, pullback = jax.vjp(lambda p, x: layer(model, group, p, x), params, x)
+  leaves, structure = jax.tree.flatten(pullback)
+  inputs = jax.tree.leaves((params, x))
+  sources = tuple(next((i for i, a in enumerate(inputs) if a is leaf), None) for leaf in leaves)
+  return y, PullbackLayout(structure, sources), [
+      leaf for leaf, source in zip(leaves, sources) if source is None]
+
+
+def backward(layout: PullbackLayout, kept: list, params: Any, x: jax.Array, dy: jax.Array
+             ) -> tuple[Any, jax.Array]:
+  """A layer's backward pass: ``(its weights' gradients, the gradient of its input x)``, from
+  what ``layer_forward`` kept and the same ``params`` and ``x``. The layout may be any layer's
+  of the same group."""
+  kept, inputs = iter(kept), jax.tree.leaves((params, x))
+  leaves = [next(kept) if source is None else inputs[source] for source in layout.sources]
+  return jax.tree.unflatten(layout.structure, leaves)(dy)

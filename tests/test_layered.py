@@ -17,6 +17,7 @@ GROUPS = {
     "two-groups": remat.layer_groups(CONFIG.num_layers, offload_num_layers=1,
                                      offload_placements=remat.RECOMPUTE_ALL),
     "activation-offload": remat.layer_groups(CONFIG.num_layers, offload_num_layers=2),
+    "selective": remat.megatron_layer_groups(CONFIG.num_layers, recompute_granularity="selective"),
 }
 
 
@@ -25,23 +26,31 @@ def _split_grads(model, params, tokens):
   them (the layers' forward programs compile once per group, taking the layer's index)."""
   x, embed_pullback = jax.jit(jax.vjp, static_argnums=0)(
       lambda p: layered.embed(model, p, tokens), params[layered.EMBED])
-  structures, saved = [], []
-  for group in model.groups:
-    forward = jax.jit(lambda stack, index, x, group=group: jax.vjp(
-        lambda p, x: layered.layer(model, group, p, x), layered.layer_slice(stack, index), x))
+  layouts, saved = {}, []
+
+  groups = {group_name(group): group for group in model.groups}
+
+  def forward(name, stack, index, x):
+    y, layouts[name], kept = layered.layer_forward(model, groups[name],
+                                                   layered.layer_slice(stack, index), x)
+    return y, kept
+
+  def backward(name, stack, index, x, kept, dy):
+    return layered.backward(layouts[name], kept, layered.layer_slice(stack, index), x, dy)
+
+  forward, backward = (jax.jit(f, static_argnums=0) for f in (forward, backward))
+  for name, group in groups.items():
     for index in range(group.stop - group.start):
-      x, pullback = forward(params[group_name(group)], index, x)
-      leaves, structure = jax.tree.flatten(pullback)
-      structures.append(structures[-1] if index else structure)
-      saved.append(leaves)
+      y, kept = forward(name, params[name], index, x)
+      saved.append((name, index, x, kept))
+      x = y
   head = {name: params[name] for name in layered.head_names(model)}
   loss, head_grads, dx = jax.jit(lambda head, x: (lambda loss, pullback: (loss, *pullback(
       jnp.ones_like(loss))))(*jax.vjp(lambda p, x: layered.head_loss(model, p, x, tokens),
                                       head, x)))(head, x)
-  backward = jax.jit(layered.backward, static_argnums=0)
   layer_grads = []
-  for structure, leaves in reversed(list(zip(structures, saved))):
-    grads, dx = backward(structure, leaves, dx)
+  for name, index, x, kept in reversed(saved):
+    grads, dx = backward(name, params[name], index, x, kept, dx)
     layer_grads.insert(0, grads)
   (embed_grads,) = jax.jit(lambda pullback, dx: pullback(dx))(embed_pullback, dx)
   grads = dict(head_grads)
@@ -73,3 +82,25 @@ def test_split_backward_matches_whole_model(name, shared):
   assert jax.tree.structure(split_grads) == jax.tree.structure(grads)
   assert abs(float(split_loss) - float(loss)) < 1e-6 * float(loss)
   assert max_rel_diff(split_grads, grads) < 1e-5
+
+
+@pytest.mark.parametrize("placements, saved", [
+    (remat.RECOMPUTE_ALL, []),
+    (remat.RECOMPUTE_SELECTIVE, [name for name in remat.ACTIVATION_NAMES if name != "layer_input"]),
+], ids=["full", "selective"])
+def test_a_layer_keeps_its_saved_activations_and_no_copy_of_its_weights_or_input(placements, saved):
+  config = dataclasses.replace(CONFIG, dtype="bfloat16")  # Weights cast inside the layer.
+  (group,) = remat.layer_groups(config.num_layers, base_placements=placements)
+  model = Llama(config, (group,))
+  tokens = jnp.zeros((2, 32), jnp.int32)
+  stack = init_params(model, jax.random.PRNGKey(0), tokens)[group_name(group)]
+  x = jnp.ones((2, 32, config.hidden_size), jnp.bfloat16)
+
+  def forward(stack, x):
+    y, _, kept = layered.layer_forward(model, group, layered.layer_slice(stack, 0), x)
+    return y, kept
+
+  _, kept = jax.eval_shape(forward, stack, x)
+  # Each saved name's activation, of this micro-batch's tokens; nothing else.
+  assert len(kept) == len(saved)
+  assert all(leaf.shape[:2] == x.shape[:2] for leaf in kept)

@@ -96,9 +96,10 @@ class OverlappedStep:
   def compile(self, device_leaves: list, host_params: list, opt_state: Any, tokens: jax.Array
               ) -> tuple[dict[str, jax.stages.Compiled], int]:
     """Compiles the step's programs for arguments like these (arrays or shapes), which later
-    steps then run; returns them by name with the bytes, on one device, of the activations
-    a micro-batch's forward programs keep for the backward ones and, with several
-    micro-batches, of the gradients' sums and the host kernel's weights kept for them."""
+    steps then run; returns them by name with the bytes, on one device, of what a
+    micro-batch's forward programs keep for the backward ones (the layers' inputs and
+    activations, the host kernel's weights) and, with several micro-batches, of the
+    gradients' sums."""
     saved, fetched, heads = [], [], []
     nbytes = lambda xs: sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
                             for x in xs)
@@ -113,7 +114,7 @@ class OverlappedStep:
       if key.startswith("head"):
         heads.append(key)
       if not heads and (key.startswith("forward") or key == "embed forward"):
-        saved.extend(jax.tree.leaves(out[1]))  # One micro-batch's: the first.
+        saved.extend(jax.tree.leaves(out))  # One micro-batch's: the first.
       if key.startswith("fetch"):
         fetched.append(nbytes(jax.tree.leaves(out)))
       return out
@@ -123,11 +124,7 @@ class OverlappedStep:
       saved.extend(jax.ShapeDtypeStruct(x.shape, self.setup.grad_accum_dtype, sharding=sharding)
                    for x, sharding in zip(jax.tree.leaves(self.setup.param_shapes),
                                           jax.tree.leaves(self.setup.param_shardings)))
-    # The host kernel's weights on the device: kept for the step's micro-batches, or each
-    # piece's beside the copy its forward program keeps.
-    saved_bytes = nbytes(saved) + (sum(fetched) if self.piece.micro_batches > 1
-                                   else max(fetched, default=0))
-    return dict(self._compiled), saved_bytes
+    return dict(self._compiled), nbytes(saved) + sum(fetched)
 
   def _chain(self, device_leaves, host_params, opt_state, tokens, run, host):
     """The step's programs in order, each through ``run(name, jitted, static args, *args)``;
@@ -177,8 +174,8 @@ class OverlappedStep:
   def _forward_and_head(self, this: _Step, micro: int, loss: Any) -> tuple:
     """Micro-batch ``micro``'s forward programs and head: ``(loss summed so far, gradient at
     the last layer's output, a shared embedding's share of its gradient, the head's
-    gradients, the embedding's pullback, each layer's (name, index, pullback structure,
-    leaves))``."""
+    gradients, the embedding's pullback, each layer's (name, index, input, what its forward
+    program kept))``."""
     last = micro == self.piece.micro_batches - 1
     weights = lambda name, index=None, release=last: self._weights(this, name, index, release)
     # A shared embedding is the head's too: kept for it.
@@ -188,10 +185,11 @@ class OverlappedStep:
         this.tokens, np.int32(micro))
     saved = []
     for name, group in self.piece.layer_groups.items():
-      for index in range(group.stop - group.start):
-        x, pullback = this.run(f"forward {name}", self.piece.forward, (name,),
-                               *weights(name, index), np.int32(index), x)
-        saved.append((name, index, *jax.tree.flatten(pullback)[::-1]))
+      for index in range(group.stop - group.start):  # The backward program takes the weights.
+        y, kept = this.run(f"forward {name}", self.piece.forward, (name,),
+                           *weights(name, index, release=False), np.int32(index), x)
+        saved.append((name, index, x, kept))
+        x = y
     loss, dx, shared_embed, head_grads = this.run(
         f"head {self._stage(micro)}", self.piece.head_step[not last], (last,),
         {name: weights(name) for name in self.piece.head}, x, this.tokens, np.int32(micro),
@@ -205,13 +203,12 @@ class OverlappedStep:
     ``give(gradients, layer index)``."""
     last = give is not None
     stage, adds, sums = self._stage(micro), not last, this.sums
-    # A group's layers share the first one's pullback structure: one compile per group.
-    first = {name: structure for name, index, structure, _ in saved if index == 0}
-    while saved:  # Each layer's activations go as its backward program ends.
-      name, index, _, pullback_leaves = saved.pop()
-      dx, grads = this.run(f"backward {name} {stage}", self.piece.backward[adds],
-                           (name, first[name], last), pullback_leaves, dx,
-                           sums.pop((name, index), None), this.step, np.int32(micro))
+    while saved:  # Each layer's activations (and, the last time, weights) go as it ends.
+      name, index, x, kept = saved.pop()
+      dx, grads = this.run(f"backward {name} {stage}", self.piece.backward[adds], (name, last),
+                           *self._weights(this, name, index, release=last), np.int32(index),
+                           x, kept, dx, sums.pop((name, index), None), this.step,
+                           np.int32(micro))
       self._file(grads, index, sums, give)
     self._file(this.run(f"embed backward {stage}", self.piece.embed_backward[adds], (last,),
                         embed_pullback, dx, shared_embed,
@@ -236,7 +233,8 @@ class OverlappedStep:
   def _weights(self, this: _Step, name: str, index: Any, release: bool) -> tuple[list, list]:
     """Piece ``(name, index)``'s device leaves and its host kernel leaves on the device, cut
     to the layer: brought over, once its held update is applied, by the first micro-batch
-    that reads them, and let go (``release``) by the last, whose pullbacks keep them."""
+    that reads them, and let go (``release``) by the last micro-batch's last program that
+    reads them."""
     key = (name, index)
     if key not in this.fetched:
       if this.host is not None:

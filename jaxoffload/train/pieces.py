@@ -1,8 +1,9 @@
 """The step's programs a piece of the model each, for ``jaxoffload.train.overlap``.
 
-The embedding, each layer and the head forward (``jax.vjp``: each keeps its
-pullback's activations), the layers and the embedding backward, and the device
-optimizer's update. The host kernel's weights come to the device a piece at a
+The embedding, each layer and the head forward (``jax.vjp``: each keeps the
+activations its pullback needs, a layer's without its weights and input,
+``layered.layer_forward``), the layers and the embedding backward (a layer's
+from those weights and input again), and the device optimizer's update. The host kernel's weights come to the device a piece at a
 time (``fetch``); each program that makes gradients either adds them into the
 micro-batches' sums or, for the step's last micro-batch, sends the host
 kernel's share to host memory in the dtype it travels in and keeps the rest.
@@ -27,7 +28,7 @@ class PiecePrograms:
 
   Example:
     >>> pieces = PiecePrograms(programs)
-    >>> x, pullback = pieces.forward("layers", device, fetched, np.int32(0), x)
+    >>> y, kept = pieces.forward("layers", device, fetched, np.int32(0), x)
   """
 
   def __init__(self, programs: StepPrograms):
@@ -60,6 +61,9 @@ class PiecePrograms:
         self.grad_shardings[len(self.grad_shardings)] = jax.sharding.NamedSharding(
             sharding.mesh, jax.sharding.PartitionSpec(*spec), memory_kind=DEVICE_KIND)
     self.micro_batches = setup.micro_batches
+    # Per layer group: where its backward programs find their pullbacks' leaves, recorded as
+    # its forward program is traced (``layered.PullbackLayout``).
+    self.layouts: dict[str, layered.PullbackLayout] = {}
     self.count = jax.jit(step_count)
     self.fetch = jax.jit(self._fetch_piece, static_argnums=0)
     self.forward = jax.jit(self._layer_forward, static_argnums=0)
@@ -69,8 +73,8 @@ class PiecePrograms:
     self.head_step = {adds: jax.jit(self._head_piece, static_argnums=0,
                                     donate_argnums=(5, 6) if adds else ())
                       for adds in (True, False)}
-    self.backward = {adds: jax.jit(self._layer_backward, static_argnums=(0, 1, 2),
-                                   donate_argnums=(4, 5) if adds else (4,))
+    self.backward = {adds: jax.jit(self._layer_backward, static_argnums=(0, 1),
+                                   donate_argnums=(7, 8) if adds else (7,))
                      for adds in (True, False)}
     self.embed_backward = {adds: jax.jit(self._embed_backward_piece, static_argnums=0,
                                          donate_argnums=(4,) if adds else ())
@@ -135,9 +139,11 @@ class PiecePrograms:
     return jax.vjp(lambda p: layered.embed(self.model, p, tokens), params)
 
   def _layer_forward(self, name, device, fetched, index, x):
-    params = self._params(name, device, fetched, index)
-    group = self.layer_groups[name]
-    return jax.vjp(lambda p, x: layered.layer(self.model, group, p, x), params, x)
+    """Layer ``index`` of group ``name`` on ``x``: ``(its output, what its backward program
+    takes beside its weights and x)``."""
+    y, self.layouts[name], kept = layered.layer_forward(
+        self.model, self.layer_groups[name], self._params(name, device, fetched, index), x)
+    return y, kept
 
   def _head_piece(self, last, head, x, tokens, micro, loss_sum, sums, step):
     """The loss summed over the micro-batches so far, its gradient at the last layer's
@@ -152,8 +158,11 @@ class PiecePrograms:
     return (loss if loss_sum is None else loss_sum + loss), dx, shared, {
         name: self._finish(name, g, sums.get(name), step, micro, last) for name, g in grads.items()}
 
-  def _layer_backward(self, name, structure, last, pullback_leaves, dy, sums, step, micro):
-    grads, dx = layered.backward(structure, pullback_leaves, dy)
+  def _layer_backward(self, name, last, device, fetched, index, x, kept, dy, sums, step, micro):
+    """The gradients at layer ``index``'s input and of its weights (``_finish``), from the
+    same arguments as its forward program and what that kept."""
+    grads, dx = layered.backward(self.layouts[name], kept,
+                                 self._params(name, device, fetched, index), x, dy)
     return dx, {name: self._finish(name, grads, sums, step, micro, last)}
 
   def _embed_backward_piece(self, last, pullback, dx, shared, sums, step, micro):
