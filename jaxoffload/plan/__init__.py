@@ -3,7 +3,8 @@
 ``python -m jaxoffload.plan --config X [overrides]`` tries, for the config's
 model and global batch, the optimizer offload (a fraction in layer-sized
 steps, updated on the device or by the host kernel), the activation setting
-(saved, recomputed, offloaded, with weights offload) and the micro-batch size.
+(saved, recomputed in part or in full, offloaded, with weights offload) and the
+micro-batch size.
 Each candidate is judged before anything is allocated:
 
 - device peak: XLA's memory analysis of the step compiled from shapes alone

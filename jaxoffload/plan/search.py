@@ -77,7 +77,7 @@ class Budgets:
 
 def activation_settings(config: Config) -> dict[str, list[str]]:
   """The activation settings the planner tries, by name: the config's own, saving every
-  activation, recomputing every layer, and offloading the config's policy (with and
+  activation, recomputing the attention kernel (selective) or every layer, and offloading the config's policy (with and
   without the weights) for every layer but the last (Megatron's limit)."""
   m = config.model
   off = lambda weights: ["model.cpu_offloading=True", "model.recompute_granularity=null",
@@ -86,6 +86,8 @@ def activation_settings(config: Config) -> dict[str, list[str]]:
                          f"model.cpu_offloading_weights={weights}"]
   settings = {"as configured": []}
   settings["save everything"] = ["model.cpu_offloading=False", "model.recompute_granularity=null"]
+  settings["recompute selectively"] = ["model.cpu_offloading=False",
+                                       "model.recompute_granularity=selective"]
   settings["recompute every layer"] = ["model.cpu_offloading=False",
                                        "model.recompute_granularity=full"]
   if m.num_layers > 1:

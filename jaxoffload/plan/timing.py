@@ -4,7 +4,7 @@ A step is predicted to take the sum of:
 
 - the device's forward and backward passes: per micro-batch, a fixed part
   (embedding, head, loss) and each layer's time under its activation setting
-  (saved, recomputed, offloaded, weights offloaded), measured here on 1- to
+  (saved, recomputed in part or in full, offloaded, weights offloaded), measured here on 1- to
   3-layer versions of the model at the config's micro-batch size
   (``calibrate``), and scaled to another micro-batch size by a line through a
   second timing at half the size (a part of the time does not shrink with it);
@@ -75,9 +75,13 @@ def layer_modes(config: Config) -> dict[str, int]:
   return modes
 
 
+# The settings of the layers activation offload leaves alone, by their recompute_granularity.
+_REST_MODES = {None: "save", "selective": "selective", "full": "recompute"}
+
+
 def _rest_mode(config: Config) -> str:
   """The setting of the layers activation offload leaves alone."""
-  return "recompute" if config.model.recompute_granularity == "full" else "save"
+  return _REST_MODES[config.model.recompute_granularity]
 
 
 def _offload_mode(config: Config) -> str:
@@ -102,7 +106,8 @@ def calibrate(configs: list[Config], *, log: Callable[[str], None] = print) -> C
   for config in configs:
     for mode in layer_modes(config):
       if mode not in layer_s:
-        layers = (lambda n: _rest_layers(mode, n)) if mode == "recompute" else _offloaded_layers
+        layers = ((lambda n: _rest_layers(mode, n)) if mode in _REST_MODES.values()
+                  else _offloaded_layers)
         one, two = (_fwd_bwd_s(config, layers(n)) for n in (1, 2))
         layer_s[mode] = max(two - one, 0.0)
   size = base.train.micro_batch_size
@@ -146,9 +151,10 @@ def predict_s(setup: Setup, calibration: Optional[Calibration], machine: autopla
 
 
 def _rest_layers(mode: str, n: int) -> list[str]:
-  """Overrides for a model of ``n`` layers, all saved or all recomputed."""
+  """Overrides for a model of ``n`` layers, all in ``mode`` (a value of ``_REST_MODES``)."""
+  granularity = next(g for g, m in _REST_MODES.items() if m == mode)
   return [f"model.num_layers={n}", "model.cpu_offloading=False",
-          f"model.recompute_granularity={'full' if mode == 'recompute' else 'null'}"]
+          f"model.recompute_granularity={granularity or 'null'}"]
 
 
 def _offloaded_layers(n: int) -> list[str]:
