@@ -23,7 +23,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Union
 
 import jax
 
@@ -68,12 +68,21 @@ def head_loss(model: Llama, params: dict, x: jax.Array, tokens: jax.Array) -> ja
   return next_token_loss(logits, tokens)
 
 
+INPUT = "x"  # A pullback leaf that is the layer's input (``PullbackLayout.sources``).
+
+
 class PullbackLayout(NamedTuple):
   """Where a layer's pullback finds its leaves: those ``layer_forward`` kept, and its inputs."""
 
   structure: Any  # The pullback's tree structure.
-  sources: tuple[Optional[int], ...]  # Per leaf: its position among the leaves of
-  # (weights, x), or None for the next of those kept.
+  sources: tuple[Union[int, str, None], ...]  # Per leaf: its position among the weights'
+  # leaves, INPUT for the layer's input x, or None for the next of those kept.
+
+  @property
+  def takes_input(self) -> bool:
+    """Whether the backward pass reads the layer's input x itself (under a remat policy;
+    saving everything, it reads what the layer made of x instead)."""
+    return INPUT in self.sources
 
 
 def layer_forward(model: Llama, group: LayerGroup, params: Any, x: jax.Array
@@ -83,17 +92,20 @@ def layer_forward(model: Llama, group: LayerGroup, params: Any, x: jax.Array
   themselves are left out: ``backward`` takes those again."""
   y, pullback = jax.vjp(lambda p, x: layer(model, group, p, x), params, x)
   leaves, structure = jax.tree.flatten(pullback)
-  inputs = jax.tree.leaves((params, x))
-  sources = tuple(next((i for i, a in enumerate(inputs) if a is leaf), None) for leaf in leaves)
+  weights = jax.tree.leaves(params)
+  source = lambda leaf: INPUT if leaf is x else next(
+      (i for i, w in enumerate(weights) if w is leaf), None)
+  sources = tuple(source(leaf) for leaf in leaves)
   return y, PullbackLayout(structure, sources), [
-      leaf for leaf, source in zip(leaves, sources) if source is None]
+      leaf for leaf, s in zip(leaves, sources) if s is None]
 
 
-def backward(layout: PullbackLayout, kept: list, params: Any, x: jax.Array, dy: jax.Array
-             ) -> tuple[Any, jax.Array]:
+def backward(layout: PullbackLayout, kept: list, params: Any, x: Optional[jax.Array],
+             dy: jax.Array) -> tuple[Any, jax.Array]:
   """A layer's backward pass: ``(its weights' gradients, the gradient of its input x)``, from
-  what ``layer_forward`` kept and the same ``params`` and ``x``. The layout may be any layer's
-  of the same group."""
-  kept, inputs = iter(kept), jax.tree.leaves((params, x))
-  leaves = [next(kept) if source is None else inputs[source] for source in layout.sources]
+  what ``layer_forward`` kept and the same ``params`` and ``x`` (None unless
+  ``layout.takes_input``). The layout may be any layer's of the same group."""
+  kept, weights = iter(kept), jax.tree.leaves(params)
+  leaves = [next(kept) if s is None else x if s == INPUT else weights[s]
+            for s in layout.sources]
   return jax.tree.unflatten(layout.structure, leaves)(dy)

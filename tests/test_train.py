@@ -526,3 +526,24 @@ def test_the_overlapped_steps_compiled_peak_bounds_what_its_programs_leave_on_th
   resident = sum(a.nbytes for a in jax.tree.leaves((trainer.params, trainer.opt_state))
                  if a.sharding.memory_kind == "device")
   assert max(live) <= estimate - resident, (max(live), estimate, resident)
+
+
+@pytest.mark.parametrize("recompute, takes_input", [("null", False), ("full", True)])
+def test_the_overlapped_step_keeps_a_layers_input_only_where_its_backward_pass_reads_it(
+    recompute, takes_input):
+  # Saving everything, the backward pass reads what the layer made of its input: a kept input
+  # would be a whole activation a layer held for nothing.
+  setup = resolve(load_config(None, [*HOST_KERNEL, f"model.recompute_granularity={recompute}"]))
+  trainer = Trainer(setup, weights.initial(setup))
+  pieces, inputs = trainer.overlapped.piece, []
+
+  def recording(program):
+    def run(name, last, device, fetched, index, x, *rest):
+      inputs.append(x)
+      return program(name, last, device, fetched, index, x, *rest)
+    return run
+
+  pieces.backward.update({adds: recording(p) for adds, p in pieces.backward.items()})
+  trainer.step(setup.global_batch(0))
+  assert len(inputs) == setup.model.num_layers
+  assert all((x is not None) == takes_input for x in inputs)

@@ -113,8 +113,12 @@ class OverlappedStep:
                          shapes, self._compiled[key].output_shardings)
       if key.startswith("head"):
         heads.append(key)
-      if not heads and (key.startswith("forward") or key == "embed forward"):
-        saved.extend(jax.tree.leaves(out))  # One micro-batch's: the first.
+      if not heads and key == "embed forward":  # One micro-batch's: the first.
+        saved.extend(jax.tree.leaves(out[1]))
+      if not heads and key.startswith("forward"):
+        saved.extend(jax.tree.leaves(out[1]))
+        if self.piece.layouts[static[0]].takes_input:
+          saved.append(args[-1])
       if key.startswith("fetch"):
         fetched.append(nbytes(jax.tree.leaves(out)))
       return out
@@ -188,7 +192,7 @@ class OverlappedStep:
       for index in range(group.stop - group.start):  # The backward program takes the weights.
         y, kept = this.run(f"forward {name}", self.piece.forward, (name,),
                            *weights(name, index, release=False), np.int32(index), x)
-        saved.append((name, index, x, kept))
+        saved.append((name, index, x if self.piece.layouts[name].takes_input else None, kept))
         x = y
     loss, dx, shared_embed, head_grads = this.run(
         f"head {self._stage(micro)}", self.piece.head_step[not last], (last,),

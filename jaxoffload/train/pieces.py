@@ -160,7 +160,8 @@ class PiecePrograms:
 
   def _layer_backward(self, name, last, device, fetched, index, x, kept, dy, sums, step, micro):
     """The gradients at layer ``index``'s input and of its weights (``_finish``), from the
-    same arguments as its forward program and what that kept."""
+    same arguments as its forward program (x only where its layout takes it) and what that
+    kept."""
     grads, dx = layered.backward(self.layouts[name], kept,
                                  self._params(name, device, fetched, index), x, dy)
     return dx, {name: self._finish(name, grads, sums, step, micro, last)}
