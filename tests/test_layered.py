@@ -26,9 +26,8 @@ def _split_grads(model, params, tokens):
   them (the layers' forward programs compile once per group, taking the layer's index)."""
   x, embed_pullback = jax.jit(jax.vjp, static_argnums=0)(
       lambda p: layered.embed(model, p, tokens), params[layered.EMBED])
-  layouts, saved = {}, []
-
   groups = {group_name(group): group for group in model.groups}
+  layouts, saved = {}, []
 
   def forward(name, stack, index, x):
     y, layouts[name], kept = layered.layer_forward(model, groups[name],

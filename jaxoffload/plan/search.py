@@ -77,8 +77,9 @@ class Budgets:
 
 def activation_settings(config: Config) -> dict[str, list[str]]:
   """The activation settings the planner tries, by name: the config's own, saving every
-  activation, recomputing the attention kernel (selective) or every layer, and offloading the config's policy (with and
-  without the weights) for every layer but the last (Megatron's limit)."""
+  activation, recomputing the attention kernel (selective) or every layer, and offloading
+  the config's policy (with and without the weights) for every layer but the last
+  (Megatron's limit)."""
   m = config.model
   off = lambda weights: ["model.cpu_offloading=True", "model.recompute_granularity=null",
                          f"model.cpu_offloading_num_layers={m.num_layers - 1}",

@@ -4,8 +4,8 @@ A step is predicted to take the sum of:
 
 - the device's forward and backward passes: per micro-batch, a fixed part
   (embedding, head, loss) and each layer's time under its activation setting
-  (saved, recomputed in part or in full, offloaded, weights offloaded), measured here on 1- to
-  3-layer versions of the model at the config's micro-batch size
+  (saved, recomputed in part or in full, offloaded, weights offloaded), measured
+  here on 1- to 3-layer versions of the model at the config's micro-batch size
   (``calibrate``), and scaled to another micro-batch size by a line through a
   second timing at half the size (a part of the time does not shrink with it);
 - the device's AdamW on the leaves it keeps: their bytes over the device's

@@ -3,10 +3,11 @@
 The embedding, each layer and the head forward (``jax.vjp``: each keeps the
 activations its pullback needs, a layer's without its weights and input,
 ``layered.layer_forward``), the layers and the embedding backward (a layer's
-from those weights and input again), and the device optimizer's update. The host kernel's weights come to the device a piece at a
-time (``fetch``); each program that makes gradients either adds them into the
-micro-batches' sums or, for the step's last micro-batch, sends the host
-kernel's share to host memory in the dtype it travels in and keeps the rest.
+from those weights and input again), and the device optimizer's update. The
+host kernel's weights come to the device a piece at a time (``fetch``); each
+program that makes gradients either adds them into the micro-batches' sums or,
+for the step's last micro-batch, sends the host kernel's share to host memory
+in the dtype it travels in and keeps the rest.
 """
 
 from __future__ import annotations
