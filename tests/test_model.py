@@ -19,6 +19,7 @@ CONFIG = LlamaConfig()
 SAVE_ALL = remat.layer_groups(CONFIG.num_layers)
 MODES = {
     "recompute": remat.layer_groups(CONFIG.num_layers, base_placements=remat.RECOMPUTE_ALL),
+    "selective": remat.layer_groups(CONFIG.num_layers, base_placements=remat.RECOMPUTE_SELECTIVE),
     "offload-1": remat.layer_groups(CONFIG.num_layers, offload_num_layers=1),
     "offload-all-names": remat.layer_groups(CONFIG.num_layers, offload_num_layers=2,
                                             offload_placements=remat.OFFLOAD_ALL),
