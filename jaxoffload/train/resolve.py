@@ -122,8 +122,7 @@ class Setup:
 
   @property
   def micro_batches(self) -> int:
-    t = self.config.train
-    return t.global_batch_size // t.micro_batch_size
+    return rules.micro_batches(self.config)
 
   @property
   def llama(self) -> Llama:
@@ -272,11 +271,10 @@ def overlap_seconds(config: Config) -> float:
   does not overlap."""
   if not rules.host_update_overlaps(config):
     return 0.0
-  t = config.train
-  micro_batches = t.global_batch_size // t.micro_batch_size
   # The backward pass does twice the forward's work. Clipped, priced as if every step
   # clipped: a speculated update starts earlier only after a step that did not.
-  return forward_seconds(config) / micro_batches * (1 if rules.clips_gradients(config) else 3)
+  return (forward_seconds(config) / rules.micro_batches(config)
+          * (1 if rules.clips_gradients(config) else 3))
 
 
 def price_updates(config: Config, offload: OffloadPlan, machine: autoplace.Machine, *,

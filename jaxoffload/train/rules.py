@@ -202,6 +202,13 @@ def _check_optimizer(config: Config) -> None:
                       f"optimizer state alike)")
 
 
+def micro_batches(config: Config) -> int:
+  """How many micro-batches make a step: ``train.global_batch_size`` over
+  ``train.micro_batch_size``."""
+  t = config.train
+  return t.global_batch_size // t.micro_batch_size
+
+
 def clips_gradients(config: Config) -> bool:
   """Whether the update clips the gradients by their global norm: ``optimizer.clip_grad``
   > 0 (0 turns clipping off)."""

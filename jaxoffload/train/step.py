@@ -136,10 +136,11 @@ class Trainer:
                         max(micro.host_temp_size_in_bytes, update.host_temp_size_in_bytes))
 
   def _compile_overlapped(self, tokens: jax.Array) -> CompiledStep:
-    """``compile`` of the overlapped step's programs. Its device peak: the activations a
-    micro-batch's forward programs keep and the gradients' sums over micro-batches, with
-    the largest program's temporaries and the device leaves' gradients beside the
-    parameters and state; or the update's, if larger."""
+    """``compile`` of the overlapped step's programs. Its device peak: what a micro-batch's
+    forward programs keep (activations, layer inputs, the host kernel's fetched weights)
+    and the gradients' sums over micro-batches, with the largest program's temporaries and
+    the device leaves' gradients beside the parameters and state; or the update's, if
+    larger."""
     programs, saved = self.overlapped.compile(self.params, self.host_params, self.opt_state,
                                               tokens)
     self._compiled = tuple(programs.values())
