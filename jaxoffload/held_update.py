@@ -25,24 +25,18 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 import jax
 
 from jaxoffload import host_arrays
-from jaxoffload._compat import to_host
 
 # A leaf's index, and a layer's index along axis 0 of a stacked leaf (None: all of it).
 Piece = tuple[int, Optional[int]]
 # Applies one piece's gradient (a host array, or a sum's shards) times a scale.
 ApplyPiece = Callable[[Piece, Any, float], None]
-# How many bytes of gradients the thread copies from device to host memory ahead of the
-# piece it applies: enough that the copies, several times faster than the kernel, keep it
-# fed, while the rest wait on the device.
-GRADIENT_BYTES_AHEAD = 2**30
 
 
 class HeldUpdate:
   """A step's gradients by piece, each applied once by ``apply_piece(piece, grad, scale)``.
 
   Args:
-    grads: per piece, its gradient in host memory; with ``order``, in host or device
-      memory (the thread copies it over when it comes near, ``GRADIENT_BYTES_AHEAD``).
+    grads: per piece, its gradient in host memory.
     apply_piece: applies one piece's gradient, multiplied by ``scale`` (a float).
     grad_scale: the gradients' scale (global-norm clipping's factor), a float or
       a scalar JAX array, read once it is ready; with ``order``, None: it comes
@@ -75,8 +69,6 @@ class HeldUpdate:
     self._take_back = take_back
     self.scale_read: Optional[float] = None  # The scale, once read.
     self.applied_ahead = 0  # Pieces the thread applied before it read the scale.
-    # Gradient bytes the thread had copied to host memory and not yet applied: now, at most.
-    self.bytes_on_host, self.most_bytes_on_host = 0, 0
     # With an order: per piece, done once the thread has applied it.
     self._applied: Optional[dict[Piece, concurrent.futures.Future]] = None
     if order is not None:
@@ -86,7 +78,6 @@ class HeldUpdate:
       # how many of those are known ready, and those ready but not applied, by rank.
       self._arrivals, self._seen, self._ready = list(self._grads), 0, []
       self._known = set(self._grads)  # The pieces given so far.
-      self._on_host: dict[Piece, Any] = {}  # Their gradients copied, not yet applied.
       self._given = threading.Condition()
       self._error: Optional[BaseException] = None
       executor.submit(self._apply_in_order)
@@ -151,7 +142,6 @@ class HeldUpdate:
     for piece in list(self._grads) if pieces is None else pieces:
       grad = self._grads.pop(piece, None)
       if grad is not None:
-        grad = jax.tree.map(to_host, grad)
         jax.block_until_ready((grad, self._scale))
         self.scale_read = host_arrays.read_scalar(self._scale)
         self._apply_piece(piece, grad, self.scale_read)
@@ -168,22 +158,18 @@ class HeldUpdate:
         piece = self._next_ready()
         with self._given:
           grad = self._grads.pop(piece)  # Freed once applied.
-        on_host, nbytes = self._on_host.pop(piece)
-        jax.block_until_ready(on_host)
         if self.scale_read is None and self._scale_ready():
           self._settle(ahead)
         if self.scale_read is None:
-          self._apply_piece(piece, on_host, 1.0)
-          # Kept where it came, to be taken back: a device's until the scale is read.
+          self._apply_piece(piece, grad, 1.0)
           ahead.append((piece, grad))
           self.applied_ahead += 1
-        else:
-          if self._take_back is not None and self.scale_read != 1.0:
-            self._apply_piece(piece, on_host, 1.0)  # The arithmetic of the pieces applied ahead.
-            self._take_back(piece, on_host, 1.0)
-          self._apply_piece(piece, on_host, self.scale_read)
-          self._applied[piece].set_result(None)
-        self.bytes_on_host -= nbytes
+          continue
+        if self._take_back is not None and self.scale_read != 1.0:
+          self._apply_piece(piece, grad, 1.0)  # The arithmetic of the pieces applied ahead.
+          self._take_back(piece, grad, 1.0)
+        self._apply_piece(piece, grad, self.scale_read)
+        self._applied[piece].set_result(None)
       if self.scale_read is None:
         self._settle(ahead)
     except BaseException as error:  # Raised where apply waits for these pieces.
@@ -212,7 +198,6 @@ class HeldUpdate:
     self._read_scale()
     for piece, grad in ahead:
       if self.scale_read != 1.0:
-        grad = jax.block_until_ready(jax.tree.map(to_host, grad))
         self._take_back(piece, grad, 1.0)
         self._apply_piece(piece, grad, self.scale_read)
       self._applied[piece].set_result(None)
@@ -232,26 +217,9 @@ class HeldUpdate:
             heapq.heappush(self._ready, (self._rank[piece], piece))
             self._seen += 1
           if self._ready:
-            piece = heapq.heappop(self._ready)[1]
-            self._bring([piece, *(p for _, p in sorted(self._ready))])
-            return piece
+            return heapq.heappop(self._ready)[1]
           if self._seen < len(self._arrivals):
             pending = self._grads[self._arrivals[self._seen]]
             break
           self._given.wait()
       jax.block_until_ready(pending)  # The next to come; not holding the lock meanwhile.
-
-  def _bring(self, pieces: Sequence[Piece]) -> None:
-    """Starts copying the gradients of ready ``pieces``, the next to apply first, to host
-    memory: the first's always, the others' while the bytes copied and not yet applied
-    stay within ``GRADIENT_BYTES_AHEAD``. Called with the lock held."""
-    for position, piece in enumerate(pieces):
-      if piece in self._on_host:
-        continue
-      grad = self._grads[piece]
-      nbytes = sum(x.nbytes for x in jax.tree.leaves(grad))
-      if position and self.bytes_on_host + nbytes > GRADIENT_BYTES_AHEAD:
-        return
-      self._on_host[piece] = (jax.tree.map(to_host, grad), nbytes)
-      self.bytes_on_host += nbytes
-      self.most_bytes_on_host = max(self.most_bytes_on_host, self.bytes_on_host)

@@ -1,6 +1,5 @@
 """HostAdamW: host updates equal optax's, whole, by piece, summed, sharded and resumed."""
 
-import concurrent.futures
 import re
 import time
 
@@ -11,7 +10,7 @@ import optax
 import pytest
 
 import jaxoffload
-from jaxoffload import held_update, host_arrays
+from jaxoffload import host_arrays
 from jaxoffload._compat import to_device, to_host
 from jaxoffload.host_offload import HostAdamW
 from jaxoffload.train import load_config
@@ -88,8 +87,7 @@ def device_step_by_piece(host_weights, batch):
   return {**pieces, (1, None): grads[1]}, scale
 
 
-@pytest.mark.parametrize("applied_by", ["caller", "thread", "thread, given as made",
-                                        "thread, from device memory"])
+@pytest.mark.parametrize("applied_by", ["caller", "thread", "thread, given as made"])
 def test_held_pieces_update_as_the_whole_step_does(applied_by):
   weights, batches = problem()
   pinned = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
@@ -103,9 +101,7 @@ def test_held_pieces_update_as_the_whole_step_does(applied_by):
     pieces, scale = device_step_by_piece(host.params, batch)
     order = list(pieces)
     rng.shuffle(order)
-    if applied_by == "thread, from device memory":  # As the overlapped step leaves them.
-      pieces = {piece: to_device(g) for piece, g in pieces.items()}
-    if applied_by.startswith("thread, "):  # Some now, the rest in two handfuls.
+    if applied_by == "thread, given as made":  # Some now, the rest in two handfuls.
       host.hold({p: pieces[p] for p in order[:3]}, scale, order=order)
       host.add_held({p: pieces[p] for p in order[3:6]})
       host.add_held({p: pieces[p] for p in order[6:]})
@@ -136,9 +132,8 @@ def test_holding_in_order_checks_the_order_and_raises_the_threads_error():
     host.finish()
 
 
-@pytest.mark.parametrize("memory_kind", ["pinned_host", "device"])
 @pytest.mark.parametrize("scale", [1.0, 0.5])
-def test_speculative_updates_equal_plain_ones_however_far_they_got_ahead(scale, memory_kind):
+def test_speculative_updates_equal_plain_ones_however_far_they_got_ahead(scale):
   weights, batches = problem()
   pinned = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
   runs = {}
@@ -147,8 +142,6 @@ def test_speculative_updates_equal_plain_ones_however_far_they_got_ahead(scale, 
                      learning_rate=schedule, **HYPER)
     for batch in batches:
       pieces, _ = device_step_by_piece(host.params, batch)
-      pieces = {piece: jax.device_put(g, g.sharding.with_memory_kind(memory_kind))
-                for piece, g in pieces.items()}
       if ahead is None:
         host.hold(pieces, jnp.float32(scale), order=list(pieces))
       else:
@@ -198,25 +191,6 @@ def test_pieces_given_later_are_checked_and_a_cancelled_update_stays_unfinished(
     host.apply_held()
   with pytest.raises(RuntimeError, match="backward failed"):  # The update stays unfinished.
     host.finish()
-
-
-def test_gradients_left_on_the_device_come_over_a_bounded_number_of_bytes_ahead(monkeypatch):
-  # 64 bytes a piece; 128 ahead: the thread holds two pieces' gradients at once, not eight.
-  monkeypatch.setattr(held_update, "GRADIENT_BYTES_AHEAD", 128)
-  grads = jax.block_until_ready({(0, layer): jnp.full(16, layer + 1.0) for layer in range(8)})
-  applied = []
-
-  def apply_piece(piece, grad, scale):
-    assert grad.sharding.memory_kind == "pinned_host"
-    applied.append((piece, float(np.asarray(grad).sum() * scale)))
-
-  with concurrent.futures.ThreadPoolExecutor(1) as thread:
-    held = held_update.HeldUpdate({}, apply_piece, 0.5, order=list(grads), executor=thread)
-    held.add(dict(reversed(grads.items())))  # The last layer's first, as a backward pass.
-    assert held.apply()
-  assert applied == [((0, layer), 8.0 * (layer + 1)) for layer in range(8)]
-  assert (held.most_bytes_on_host, held.bytes_on_host) == (128, 0)
-  assert {g.sharding.memory_kind for g in grads.values()} == {"device"}
 
 
 def test_a_profiler_trace_names_each_piece_the_host_updates(tmp_path):

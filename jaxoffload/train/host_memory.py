@@ -17,10 +17,8 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-from jaxoffload import held_update
 from jaxoffload.host_offload import host_bytes_per_element
 from jaxoffload.memory import host_rss_bytes, offloaded_activation_bytes, parse_bytes
-from jaxoffload.model import group_name
 from jaxoffload.train import checkpoints, rules, weights
 from jaxoffload.train.config import ConfigError
 from jaxoffload.train.resolve import Setup
@@ -95,30 +93,24 @@ def local_elements(shape: Any, sharding: jax.sharding.Sharding) -> int:
 
 def needed(setup: Setup) -> HostBytes:
   """The host memory ``setup``'s run will allocate, by what holds it."""
-  paths, _ = jax.tree_util.tree_flatten_with_path(setup.param_shapes)
-  shapes, shardings = [shape for _, shape in paths], jax.tree.leaves(setup.param_shardings)
-  # Leaves stacked over a group's layers, which the host kernel updates a layer at a time.
-  stacked = [path[0].key in {group_name(g) for g in setup.groups} for path, _ in paths]
+  shapes, shardings = jax.tree.leaves(setup.param_shapes), jax.tree.leaves(setup.param_shardings)
   offloaded = setup.offload.offloaded if setup.offload else (False,) * len(shapes)
   fetched = jax.tree.leaves(setup.fetched_by_model)
   held = dict.fromkeys(KEYS, 0)
   transfer = iter(setup.transfer_dtypes if setup.host_kernel else ())
   moment_bytes = sum(jnp.dtype(d).itemsize for d in rules.moment_dtypes(setup.config))
   saved = 0  # What a save adds: copies of the state a checkpoint holds, this process's shards.
-  grads, largest_piece = 0, 0  # The host kernel's gradients in pinned memory; one piece's.
-  for shape, sharding, off, fetch, checkpointed, by_layer in zip(
-      shapes, shardings, offloaded, fetched, checkpoints.bytes_per_element(setup), stacked):
+  for shape, sharding, off, fetch, checkpointed in zip(
+      shapes, shardings, offloaded, fetched, checkpoints.bytes_per_element(setup)):
     elements = local_elements(shape.shape, sharding)
     if off and setup.host_kernel:
       wire = next(transfer)
       pinned, unpinned = host_bytes_per_element(wire, summed=setup.sums_on_host,
                                                 moment_bytes=moment_bytes)
-      # Micro-batches summed on the host hold two micro-batches' gradients: the next
-      # arrive while the last are added.
-      leaf_grads = (2 if setup.sums_on_host else 1) * wire.itemsize * elements
-      grads += leaf_grads
-      largest_piece = max(largest_piece, leaf_grads // (shape.shape[0] if by_layer else 1))
-      held["host kernel weights and copies"] += elements * pinned
+      # Each step's gradients arrive in pinned memory; micro-batches summed on the host hold
+      # one more (the next arrive while the last are added).
+      grads = (2 if setup.sums_on_host else 1) * wire.itemsize
+      held["host kernel weights and copies"] += elements * (pinned + grads)
       held["host kernel moments and sums"] += elements * unpinned
       saved += elements * checkpointed * HOST_KERNEL_SAVE_COPIES
       continue
@@ -127,9 +119,6 @@ def needed(setup: Setup) -> HostBytes:
     if fetch:  # And their gradients, which arrive in host memory.
       held["offloaded weights"] += 2 * elements * shape.dtype.itemsize
     saved += elements * checkpointed
-  if setup.overlaps_host_update:  # Its thread copies them over a bounded number of bytes ahead.
-    grads = min(grads, held_update.GRADIENT_BYTES_AHEAD + largest_piece)
-  held["host kernel weights and copies"] += grads
   pinned = sum(held.values()) - held["host kernel moments and sums"]
   held["pinned allocator overhead"] = (
       pinned_pool_bytes(pinned, pinned_pool_limit(), jax.local_device_count()) - pinned)

@@ -9,12 +9,10 @@ forward programs read them; each piece's weights go to the device once its
 update is applied: the device computes the first layers while the host
 updates the later ones.
 The update is the single program's (exact, the same clipping); only when the
-host applies it moves. A step's host gradients stay on the device until the
-thread comes near them (``held_update.GRADIENT_BYTES_AHEAD``): the host never
-holds a whole step's gradients. Without clipping (``optimizer.clip_grad=0``)
+host applies it moves. A step's host gradients leave the device as each
+layer's backward program ends. Without clipping (``optimizer.clip_grad=0``)
 the update needs no global norm, and the thread starts on each piece as soon
-as its backward program has made its gradient: during this step's backward
-pass. With
+as its gradient is on the host: during this step's backward pass. With
 clipping, after a step that did not clip, it starts so too, as if this step
 would not clip either (``optimizer.speculate_cpu_optimizer_step``,
 ``HostAdamW.hold(speculative=True)``); a step that does clip has its update
@@ -38,7 +36,6 @@ import jax
 import numpy as np
 
 from jaxoffload import layered
-from jaxoffload._compat import DEVICE_KIND
 from jaxoffload.host_offload import HostAdamW
 from jaxoffload.train.pieces import PiecePrograms
 from jaxoffload.train.programs import StepPrograms
@@ -101,11 +98,9 @@ class OverlappedStep:
     """Compiles the step's programs for arguments like these (arrays or shapes), which later
     steps then run; returns them by name with the bytes, on one device, of what a
     micro-batch's forward programs keep for the backward ones (the layers' inputs and
-    activations, the host kernel's weights), of the most one program of the last
-    micro-batch makes beside them (a layer's or the head's gradients, which stay on the
-    device until the host kernel's thread copies them over) and, with several
-    micro-batches, of the gradients' sums."""
-    saved, fetched, heads, made = [], [], [], [0]
+    activations, the host kernel's weights) and, with several micro-batches, of the
+    gradients' sums."""
+    saved, fetched, heads = [], [], []
     nbytes = lambda xs: sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
                             for x in xs)
 
@@ -126,9 +121,6 @@ class OverlappedStep:
           saved.append(args[-1])
       if key.startswith("fetch"):
         fetched.append(nbytes(jax.tree.leaves(out)))
-      if key.endswith((" last", " only")):
-        made[0] = max(made[0], nbytes(x for x in jax.tree.leaves(out)
-                                      if x.sharding.memory_kind == DEVICE_KIND))
       return out
 
     self._chain(device_leaves, host_params, opt_state, tokens, run, None)
@@ -136,7 +128,7 @@ class OverlappedStep:
       saved.extend(jax.ShapeDtypeStruct(x.shape, self.setup.grad_accum_dtype, sharding=sharding)
                    for x, sharding in zip(jax.tree.leaves(self.setup.param_shapes),
                                           jax.tree.leaves(self.setup.param_shardings)))
-    return dict(self._compiled), nbytes(saved) + sum(fetched) + made[0]
+    return dict(self._compiled), nbytes(saved) + sum(fetched)
 
   def _chain(self, device_leaves, host_params, opt_state, tokens, run, host):
     """The step's programs in order, each through ``run(name, jitted, static args, *args)``;

@@ -6,9 +6,8 @@ activations its pullback needs, a layer's without its weights and input,
 from those weights and input again), and the device optimizer's update. The
 host kernel's weights come to the device a piece at a time (``fetch``); each
 program that makes gradients either adds them into the micro-batches' sums or,
-for the step's last micro-batch, makes the host kernel's share in the dtype it
-travels in (left on the device for the host kernel's thread to copy over) and
-keeps the rest.
+for the step's last micro-batch, sends the host kernel's share to host memory
+in the dtype it travels in and keeps the rest.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxoffload import layered
-from jaxoffload._compat import DEVICE_KIND, to_device
+from jaxoffload._compat import DEVICE_KIND, to_device, to_host
 from jaxoffload.model import group_name
 from jaxoffload.train.grads import add_to_sum, micro_batch
 from jaxoffload.train.programs import StepPrograms, step_count
@@ -123,16 +122,15 @@ class PiecePrograms:
         [t.astype(jnp.float32) / n for t in sums]))
 
   def _split(self, name: str, grads: Any) -> tuple[list, jax.Array, list]:
-    """Parameter ``name``'s gradients: the host kernel's in the dtype they travel in, cut as
-    its shards of weights are (the host kernel's thread copies each to host memory when it
-    is about to apply it, ``held_update.GRADIENT_BYTES_AHEAD``), the sum of their squares
-    (in float32, as the host keeps them), the rest."""
+    """Parameter ``name``'s gradients: the host kernel's sent to host memory in the dtype they
+    travel in, the sum of their squares (in float32, as the host keeps them), the rest."""
     host, device = [], []
     for g, h in zip(jax.tree.leaves(grads), self.is_host[name]):
       (host if h else device).append(g)
     ids = self.host_ids.get(name, [])
     square_sum = sum((jnp.sum(jnp.square(g.astype(jnp.float32))) for g in host), jnp.zeros(()))
-    sent = [jax.lax.with_sharding_constraint(g.astype(self.wire[i]), self.grad_shardings[i])
+    sent = [to_host(jax.lax.with_sharding_constraint(g.astype(self.wire[i]),
+                                                     self.grad_shardings[i]))
             for g, i in zip(host, ids)]
     return sent, square_sum, device
 

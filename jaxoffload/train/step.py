@@ -137,10 +137,10 @@ class Trainer:
 
   def _compile_overlapped(self, tokens: jax.Array) -> CompiledStep:
     """``compile`` of the overlapped step's programs. Its device peak: what a micro-batch's
-    forward programs keep (activations, layer inputs, the host kernel's fetched weights),
-    the most gradients one program makes beside them and the gradients' sums over
-    micro-batches, with the largest program's temporaries and the device leaves' gradients
-    beside the parameters and state; or the update's, if larger."""
+    forward programs keep (activations, layer inputs, the host kernel's fetched weights)
+    and the gradients' sums over micro-batches, with the largest program's temporaries and
+    the device leaves' gradients beside the parameters and state; or the update's, if
+    larger."""
     programs, saved = self.overlapped.compile(self.params, self.host_params, self.opt_state,
                                               tokens)
     self._compiled = tuple(programs.values())
