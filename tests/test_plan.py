@@ -185,6 +185,27 @@ def test_the_calibration_times_every_activation_setting():
   assert calibration.device_bandwidth > 0 and calibration.fixed_s >= 0
 
 
+def test_the_calibration_times_the_model_with_its_weights_on_the_device(monkeypatch):
+  # With the host kernel the config's weights live in host memory, where the plain model's
+  # embedding lookup cannot read them on a GPU.
+  config = load_config(None, [
+      "optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=1.0",
+      "optimizer.optimizer_offload_update_on=host_kernel", "model.dtype=bfloat16",
+      "optimizer.offload_transfer_dtype=bfloat16"])
+  assert {s.memory_kind for s in jax.tree.leaves(resolve(config).param_shardings)} == {
+      "pinned_host"}
+  kinds = set()
+  init_params = timing.init_params
+
+  def recorded(model, key, tokens, shardings):
+    kinds.update(s.memory_kind for s in jax.tree.leaves(shardings))
+    return init_params(model, key, tokens, shardings)
+
+  monkeypatch.setattr(timing, "init_params", recorded)
+  assert timing._fwd_bwd_s(config, timing._rest_layers("save", 1)) > 0
+  assert kinds == {"device"}
+
+
 @pytest.mark.slow
 def test_the_planner_prints_a_command_that_trains(monkeypatch, capsys):
   monkeypatch.setattr(autoplace, "measure_machine", lambda: MACHINE)
