@@ -96,10 +96,12 @@ class OverlappedStep:
   def compile(self, device_leaves: list, host_params: list, opt_state: Any, tokens: jax.Array
               ) -> tuple[dict[str, jax.stages.Compiled], int]:
     """Compiles the step's programs for arguments like these (arrays or shapes), which later
-    steps then run; returns them by name with the bytes, on one device, of what a
-    micro-batch's forward programs keep for the backward ones (the layers' inputs and
-    activations, the host kernel's weights) and, with several micro-batches, of the
-    gradients' sums."""
+    steps then run; returns them by name with the bytes, on one device, that the step
+    holds beside the parameters and state: what a micro-batch's forward programs keep for
+    the backward ones (the layers' inputs and activations, the host kernel's weights) and
+    the device leaves' gradients, which with several micro-batches the last micro-batch's
+    backward programs make from the gradients' sums a piece at a time (the larger of the
+    two, and one piece of both where they cross)."""
     saved, fetched, heads = [], [], []
     nbytes = lambda xs: sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
                             for x in xs)
@@ -124,11 +126,22 @@ class OverlappedStep:
       return out
 
     self._chain(device_leaves, host_params, opt_state, tokens, run, None)
-    if self.piece.micro_batches > 1:  # The sums of every parameter's gradients.
-      saved.extend(jax.ShapeDtypeStruct(x.shape, self.setup.grad_accum_dtype, sharding=sharding)
-                   for x, sharding in zip(jax.tree.leaves(self.setup.param_shapes),
-                                          jax.tree.leaves(self.setup.param_shardings)))
-    return dict(self._compiled), nbytes(saved) + sum(fetched)
+    kept, grads = nbytes(saved) + sum(fetched), nbytes(jax.tree.leaves(device_leaves))
+    if self.piece.micro_batches == 1:
+      return dict(self._compiled), kept + grads
+    # Per piece (a layer of a group's leaves, or a whole parameter), its sums of every
+    # leaf's gradients and its device leaves' gradients.
+    sums, pieces = 0, {}
+    paths, _ = jax.tree_util.tree_flatten_with_path(self.setup.param_shapes)
+    for (path, x), sharding, host in zip(paths, jax.tree.leaves(self.setup.param_shardings),
+                                         self.piece.programs.is_host):
+      elements = math.prod(sharding.shard_shape(x.shape))
+      sums += elements * self.setup.grad_accum_dtype.itemsize
+      name = path[0].key
+      per_piece = elements // (x.shape[0] if name in self.piece.layer_groups else 1)
+      pieces[name] = pieces.get(name, 0) + per_piece * (
+          self.setup.grad_accum_dtype.itemsize + (0 if host else x.dtype.itemsize))
+    return dict(self._compiled), kept + max(sums, grads) + max(pieces.values())
 
   def _chain(self, device_leaves, host_params, opt_state, tokens, run, host):
     """The step's programs in order, each through ``run(name, jitted, static args, *args)``;

@@ -136,17 +136,16 @@ class Trainer:
                         max(micro.host_temp_size_in_bytes, update.host_temp_size_in_bytes))
 
   def _compile_overlapped(self, tokens: jax.Array) -> CompiledStep:
-    """``compile`` of the overlapped step's programs. Its device peak: what a micro-batch's
-    forward programs keep (activations, layer inputs, the host kernel's fetched weights)
-    and the gradients' sums over micro-batches, with the largest program's temporaries and
-    the device leaves' gradients beside the parameters and state; or the update's, if
-    larger."""
-    programs, saved = self.overlapped.compile(self.params, self.host_params, self.opt_state,
-                                              tokens)
+    """``compile`` of the overlapped step's programs. Its device peak: what the step holds
+    beside the parameters and state (``OverlappedStep.compile``: what a micro-batch's
+    forward programs keep, the device leaves' gradients or the sums they come from), with
+    the largest program's temporaries; or the update's, if larger."""
+    programs, held = self.overlapped.compile(self.params, self.host_params, self.opt_state,
+                                             tokens)
     self._compiled = tuple(programs.values())
     analyses = {name: program.memory_analysis() for name, program in programs.items()}
     update = analyses.pop("update")
-    backward = (_device_bytes((self.params, self.opt_state)) + saved + _device_bytes(self.params)
+    backward = (_device_bytes((self.params, self.opt_state)) + held
                 + max(a.temp_size_in_bytes for a in analyses.values()))
     host_temp = max(a.host_temp_size_in_bytes for a in (update, *analyses.values()))
     return CompiledStep(self._compiled, max(compiled_device_bytes(update), backward), host_temp)
