@@ -187,7 +187,7 @@ def test_the_calibration_times_every_activation_setting():
 
 def test_the_calibration_times_the_model_with_its_weights_on_the_device(monkeypatch):
   # With the host kernel the config's weights live in host memory, where the plain model's
-  # embedding lookup cannot read them on a GPU.
+  # embedding lookup cannot read them.
   config = load_config(None, [
       "optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=1.0",
       "optimizer.optimizer_offload_update_on=host_kernel", "model.dtype=bfloat16",

@@ -486,11 +486,15 @@ def test_bfloat16_parameters_train_close_to_float32(baseline_losses):
   np.testing.assert_allclose(losses, baseline_losses, rtol=1e-2)
 
 
+TWO_MICRO_BATCHES = ["train.micro_batch_size=4", "optimizer.accumulate_offloaded_grads_on=device"]
+
+
 @SLOW
 @pytest.mark.parametrize("micro_batches", [
     pytest.param([], id="one-micro-batch"),
-    pytest.param(["train.micro_batch_size=4", "optimizer.accumulate_offloaded_grads_on=device"],
-                 id="two-micro-batches")])
+    pytest.param(TWO_MICRO_BATCHES, id="two-micro-batches"),
+    pytest.param([*TWO_MICRO_BATCHES, "optimizer.optimizer_offload_fraction=0.3"],
+                 id="two-micro-batches-device-leaves")])
 def test_the_overlapped_steps_compiled_peak_bounds_what_its_programs_leave_on_the_device(
     micro_batches):
   # Wide layers, so that the host kernel's weights outweigh the activations: a second copy
@@ -526,6 +530,10 @@ def test_the_overlapped_steps_compiled_peak_bounds_what_its_programs_leave_on_th
   resident = sum(a.nbytes for a in jax.tree.leaves((trainer.params, trainer.opt_state))
                  if a.sharding.memory_kind == "device")
   assert max(live) <= estimate - resident, (max(live), estimate, resident)
+  device_grads = sum(a.nbytes for a in jax.tree.leaves(trainer.params)
+                     if a.sharding.memory_kind == "device")
+  if setup.offload.fraction < 1:  # The sums' pieces become these: counted once, not beside them.
+    assert estimate - resident - max(live) < device_grads, (max(live), estimate, resident)
 
 
 @pytest.mark.parametrize("recompute, takes_input", [("null", False), ("full", True)])
