@@ -115,7 +115,8 @@ def measure_machine(device: jax.Device | None = None) -> Machine:
 
 
 def choose(machine: Machine, *, offloaded_elements: int, moment_bytes_per_element: int,
-           transfer_bytes_per_element: int, local_elements: int | None = None,
+           transfer_bytes_per_element: int, weight_bytes_per_element: int | None = None,
+           local_elements: int | None = None,
            host_kernel: bool = True, overlap_s: float = 0.0) -> Choice:
   """Prices the exact placements and picks the cheaper (the host kernel in a tie).
 
@@ -126,6 +127,8 @@ def choose(machine: Machine, *, offloaded_elements: int, moment_bytes_per_elemen
     moment_bytes_per_element: bytes of both Adam moments per element (8 in float32).
     transfer_bytes_per_element: bytes of one weight or gradient element on the
       wire with the host kernel (4, or 2 with bfloat16 transfers).
+    weight_bytes_per_element: of one weight element on its way up, where it differs
+      (4 for bfloat16 transfers without the host's bfloat16 copies).
     local_elements: offloaded elements of all this process's devices, which
       the host kernel updates with this host's cores; default
       ``offloaded_elements``.
@@ -142,7 +145,10 @@ def choose(machine: Machine, *, offloaded_elements: int, moment_bytes_per_elemen
   predicted = {"device": link(offloaded_elements * moment_bytes_per_element)}
   if host_kernel and machine.kernel_rate is not None:
     local = offloaded_elements if local_elements is None else local_elements
-    predicted["host_kernel"] = (link(offloaded_elements * transfer_bytes_per_element)
+    up = weight_bytes_per_element or transfer_bytes_per_element
+    predicted["host_kernel"] = (offloaded_elements * up / machine.host_to_device
+                                + offloaded_elements * transfer_bytes_per_element
+                                / machine.device_to_host
                                 + max(0.0, local / machine.kernel_rate - overlap_s))
   fastest = min(predicted, key=predicted.get)
   if "host_kernel" in predicted and predicted["host_kernel"] <= (1 + TIE) * predicted[fastest]:

@@ -27,6 +27,14 @@ def test_costs_are_the_copies_and_the_host_work_of_each_placement():
   assert choice.place == "device"
 
 
+def test_weights_read_in_float32_cost_their_bytes_on_the_way_up_only():
+  slow_up = autoplace.Machine(host_to_device=20e9, device_to_host=50e9, kernel_rate=4.4e9,
+                              kernel_threads=16)
+  choice = autoplace.choose(slow_up, offloaded_elements=10**9, moment_bytes_per_element=8,
+                            transfer_bytes_per_element=2, weight_bytes_per_element=4)
+  assert choice.predicted_s["host_kernel"] == pytest.approx(4e9 / 20e9 + 2e9 / 50e9 + 1e9 / 4.4e9)
+
+
 def test_a_tie_goes_to_the_host_kernel_which_saves_the_weights_too():
   # Every leaf of a 1.1B model with bfloat16 transfers: +0.326 s streamed,
   # +0.331 s on the host kernel.

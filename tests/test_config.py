@@ -188,6 +188,9 @@ def test_every_shipped_config_trains_at_a_tiny_width(path):
     (["optimizer.offload_transfer_dtype=bfloat16", "model.dtype=bfloat16"],
      "optimizer.offload_transfer_dtype=bfloat16 needs optimizer.optimizer_offload_update_on="
      "host_kernel (or auto), got 'device'"),
+    (["optimizer.offload_weight_copies=False"],
+     "optimizer.offload_weight_copies=False drops the bfloat16 weight copies of "
+     "optimizer.offload_transfer_dtype=bfloat16; with float32 transfers there are none"),
     (["optimizer.optimizer_offload_update_on=fastest"],
      "optimizer.optimizer_offload_update_on must be one of ['host', 'device', 'host_kernel', "
      "'auto'], got 'fastest'"),

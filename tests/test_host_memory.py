@@ -59,15 +59,15 @@ def test_the_arithmetic_counts_every_shard_the_trainer_places_in_host_memory():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("micro_batches, moments", [(1, "float32"), (2, "float32"),
-                                                    (1, "bfloat16")])
-def test_the_host_kernel_arithmetic_is_what_it_allocates(micro_batches, moments):
+@pytest.mark.parametrize("micro_batches, moments, copies", [
+    (1, "float32", True), (2, "float32", True), (1, "bfloat16", True), (1, "float32", False)])
+def test_the_host_kernel_arithmetic_is_what_it_allocates(micro_batches, moments, copies):
   setup = resolve(load_config(None, [
       "optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5",
       "optimizer.optimizer_offload_update_on=host_kernel", "model.dtype=bfloat16",
       "optimizer.offload_transfer_dtype=bfloat16", f"train.micro_batch_size={8 // micro_batches}",
       "checkpoint.dir=/nonexistent/run", f"optimizer.exp_avg_dtype={moments}",
-      f"optimizer.exp_avg_sq_dtype={moments}"]))
+      f"optimizer.exp_avg_sq_dtype={moments}", f"optimizer.offload_weight_copies={copies}"]))
   trainer = Trainer(setup)
   trainer.step(setup.global_batch(0))
   # A save copies the checkpoint's bytes, the host kernel's float32 weights and moments more.

@@ -380,6 +380,28 @@ def test_bfloat16_transfers_change_no_loss_and_keep_norm_scales_float32():
     assert kept.dtype == jnp.float32
 
 
+@pytest.mark.parametrize("overlap", [pytest.param(True, id="overlapped"),
+                                     pytest.param(False, marks=SLOW, id="one-program")])
+def test_weights_read_in_float32_without_the_hosts_copies_train_as_with_them(overlap):
+  # The device rounds the float32 weights to bfloat16 as the host kernel rounds its copies:
+  # the same numbers, from two bytes an element less of host memory.
+  overrides = [f"train.train_iters={STEPS}", "model.dtype=bfloat16", *HOST_KERNEL[:1],
+               "optimizer.optimizer_offload_fraction=1.0", *HOST_KERNEL[2:],
+               "optimizer.offload_transfer_dtype=bfloat16",
+               f"optimizer.overlap_cpu_optimizer_d2h_h2d={overlap}"]
+  without = load_config(None, overrides + ["optimizer.offload_weight_copies=False"])
+  assert train(without, log=QUIET) == train(load_config(None, overrides), log=QUIET)
+  host = Trainer(resolve(without)).host
+  assert {p.dtype for p in host.params} == {jnp.dtype(jnp.float32)}
+  assert host.pinned_bytes == host.weight_bytes
+  if overlap:  # The fetched weights are rounded on arrival: the device holds no more.
+    tokens = resolve(without).global_batch(0)
+    shape = jax.ShapeDtypeStruct(tokens.shape, tokens.dtype, sharding=tokens.sharding)
+    compiled = [Trainer.from_shapes(resolve(c)).compile(shape).device_bytes
+                for c in (without, load_config(None, overrides))]
+    assert compiled[0] == compiled[1]
+
+
 @pytest.mark.slow
 def test_host_kernel_step_leaves_what_the_host_reads_in_host_memory():
   # The host then reads the gradients and the clipping factor in place, with no

@@ -143,9 +143,10 @@ def predict_s(setup: Setup, calibration: Optional[Calibration], machine: autopla
                            host_kernel=place == "host_kernel").predicted_s[place]
   if setup.sums_on_host and machine.sum_rate:
     host = sum(n for n, off in zip(elements, offloaded) if off)
-    wire = sum(n * d.itemsize for n, d in zip(
-        [n for n, off in zip(elements, offloaded) if off], setup.transfer_dtypes))
-    each = wire / machine.host_to_device + wire / machine.device_to_host
+    wire = lambda dtypes: sum(n * d.itemsize for n, d in zip(
+        [n for n, off in zip(elements, offloaded) if off], dtypes))
+    each = (wire(setup.weight_transfer_dtypes) / machine.host_to_device
+            + wire(setup.transfer_dtypes) / machine.device_to_host)
     total += (setup.micro_batches - 1) * each + host / machine.sum_rate
   return total
 

@@ -127,6 +127,13 @@ class OptimizerConfig:
       offloaded weights and sends their clipped gradients: bfloat16 halves both copies
       for the leaves the model multiplies in bfloat16 (norm scales stay float32);
       needs model.dtype=bfloat16.
+    offload_weight_copies: with offload_transfer_dtype=bfloat16, whether the host
+      kernel keeps a bfloat16 copy of those weights beside the float32 ones for the
+      device to read (2 bytes of pinned host memory an element). False: the device
+      reads the float32 weights and rounds them itself, the same numbers for twice
+      the bytes on the way up, and the host holds 2 bytes an element less (16 GB
+      for the Llama-3-8B shape at fraction 1.0,
+      [performance](performance.md#llama-3-8b-shape)).
     accumulate_offloaded_grads_on: with host_kernel and gradient accumulation, where
       the host kernel's leaves' gradients are summed over the micro-batches: host (a
       program per micro-batch; the model fetches their stacked weights a layer at a
@@ -174,6 +181,7 @@ class OptimizerConfig:
   overlap_cpu_optimizer_d2h_h2d: Optional[bool] = None
   speculate_cpu_optimizer_step: bool = True
   offload_transfer_dtype: str = "float32"
+  offload_weight_copies: bool = True
   accumulate_offloaded_grads_on: str = "host"
   grad_accum_dtype: Optional[str] = None
   exp_avg_dtype: Optional[str] = None

@@ -70,6 +70,7 @@ KEYS = {
     "optimizer state": "optimizer.optimizer_offload_fraction, optimizer.exp_avg_dtype=bfloat16, "
                        "optimizer.exp_avg_sq_dtype=bfloat16",
     "host kernel weights and copies": "optimizer.optimizer_offload_fraction, "
+                                      "optimizer.offload_weight_copies=False, "
                                       "optimizer.optimizer_offload_update_on=device",
     "host kernel moments and sums": "optimizer.optimizer_offload_fraction, "
                                     "train.micro_batch_size=train.global_batch_size",
@@ -97,15 +98,16 @@ def needed(setup: Setup) -> HostBytes:
   offloaded = setup.offload.offloaded if setup.offload else (False,) * len(shapes)
   fetched = jax.tree.leaves(setup.fetched_by_model)
   held = dict.fromkeys(KEYS, 0)
-  transfer = iter(setup.transfer_dtypes if setup.host_kernel else ())
+  transfer = iter(zip(setup.transfer_dtypes, setup.weight_transfer_dtypes)
+                  if setup.host_kernel else ())
   moment_bytes = sum(jnp.dtype(d).itemsize for d in rules.moment_dtypes(setup.config))
   saved = 0  # What a save adds: copies of the state a checkpoint holds, this process's shards.
   for shape, sharding, off, fetch, checkpointed in zip(
       shapes, shardings, offloaded, fetched, checkpoints.bytes_per_element(setup)):
     elements = local_elements(shape.shape, sharding)
     if off and setup.host_kernel:
-      wire = next(transfer)
-      pinned, unpinned = host_bytes_per_element(wire, summed=setup.sums_on_host,
+      wire, weights_read_in = next(transfer)
+      pinned, unpinned = host_bytes_per_element(weights_read_in, summed=setup.sums_on_host,
                                                 moment_bytes=moment_bytes)
       # Each step's gradients arrive in pinned memory; micro-batches summed on the host hold
       # one more (the next arrive while the last are added).

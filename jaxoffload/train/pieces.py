@@ -100,9 +100,10 @@ class PiecePrograms:
 
   def _fetch_piece(self, name: str, host: list, index: Any) -> list:
     """Parameter ``name``'s host kernel leaves on the device, cut to layer ``index`` first
-    (None: whole): only the layer comes over."""
-    del name  # Static: a program per parameter name.
-    return [to_device(x if index is None else layered.layer_slice(x, index)) for x in host]
+    (None: whole): only the layer comes over, rounded to the dtype it travels in where the
+    host keeps no copy in it (``Setup.weight_transfer_dtypes``)."""
+    return [to_device(x if index is None else layered.layer_slice(x, index)).astype(self.wire[i])
+            for x, i in zip(host, self.host_ids.get(name, []))]
 
   def _finish(self, name: str, grads: Any, sums: Any, step: Any, micro: Any, last: bool
               ) -> Any:

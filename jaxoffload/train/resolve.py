@@ -69,12 +69,22 @@ class Setup:
 
   @property
   def transfer_dtypes(self) -> list[jnp.dtype]:
-    """Per host kernel leaf, the dtype its weights and gradients travel in: bfloat16 only for
+    """Per host kernel leaf, the dtype its gradients travel in and its weights reach the
+    model in (``weight_transfer_dtypes``: the dtype they cross in): bfloat16 only for
     leaves the model multiplies in bfloat16, with ``offload_transfer_dtype=bfloat16``."""
     wire = jnp.dtype(self.config.optimizer.offload_transfer_dtype)
     multiplied_in = jax.tree.leaves(compute_dtypes(self.param_shapes, self.model))
     return [wire if d == jnp.bfloat16 else jnp.dtype(jnp.float32)
             for d, host in zip(multiplied_in, self.offload.offloaded) if host]
+
+  @property
+  def weight_transfer_dtypes(self) -> list[jnp.dtype]:
+    """Per host kernel leaf, the dtype the device reads its weights in from host memory:
+    ``transfer_dtypes``, or float32 without the host's bfloat16 copies
+    (``optimizer.offload_weight_copies=False``)."""
+    if self.config.optimizer.offload_weight_copies:
+      return self.transfer_dtypes
+    return [jnp.dtype(jnp.float32)] * len(self.transfer_dtypes)
 
   @property
   def overlaps_host_update(self) -> bool:
@@ -292,6 +302,8 @@ def price_updates(config: Config, offload: OffloadPlan, machine: autoplace.Machi
       machine, offloaded_elements=per_device,
       moment_bytes_per_element=sum(jnp.dtype(d).itemsize for d in rules.moment_dtypes(config)),
       transfer_bytes_per_element=jnp.dtype(o.offload_transfer_dtype).itemsize,
+      weight_bytes_per_element=(None if o.offload_weight_copies
+                                else jnp.dtype(jnp.float32).itemsize),
       local_elements=per_device * local_devices,
       host_kernel=host_kernel and host_kernel_allowed(config),
       overlap_s=overlap_seconds(config))

@@ -241,6 +241,10 @@ def host_update_overlap_blocker(config: Config) -> Optional[str]:
 
 def _check_host_kernel(config: Config) -> None:
   m, o = config.model, config.optimizer
+  if not o.offload_weight_copies and o.offload_transfer_dtype != "bfloat16":
+    raise ConfigError(f"optimizer.offload_weight_copies=False drops the bfloat16 weight copies "
+                      f"of optimizer.offload_transfer_dtype=bfloat16; with "
+                      f"{o.offload_transfer_dtype} transfers there are none")
   if o.offload_transfer_dtype != "float32":
     if o.optimizer_offload_update_on not in ("host_kernel", "auto"):
       raise ConfigError(f"optimizer.offload_transfer_dtype={o.offload_transfer_dtype} needs "
