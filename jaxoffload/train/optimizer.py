@@ -56,8 +56,9 @@ def host_adamw(setup: Setup, weights: list[jax.Array]) -> HostAdamW:
   o = setup.config.optimizer
   mu_dtype, nu_dtype = rules.moment_dtypes(setup.config)
   return HostAdamW(weights, learning_rate=setup.schedule, b1=o.adam_beta1, b2=o.adam_beta2,
-                   eps=o.adam_eps, weight_decay=o.weight_decay, device_dtypes=setup.weight_transfer_dtypes,
-                   mu_dtype=mu_dtype, nu_dtype=nu_dtype)
+                   eps=o.adam_eps, weight_decay=o.weight_decay,
+                   device_dtypes=setup.weight_transfer_dtypes, mu_dtype=mu_dtype,
+                   nu_dtype=nu_dtype)
 
 
 class Moments(NamedTuple):
