@@ -84,9 +84,9 @@ class HostAdamW:
     learning_rate: a float, or ``schedule(count) -> float`` with optax's
       convention (count 0 for the first update).
     b1, b2, eps, weight_decay: as ``optax.adamw``.
-    device_dtypes: per leaf, the dtype the device reads its weights in and
-      sends its gradient in: float32 (the default) or bfloat16 (see the
-      module's docstring).
+    device_dtypes: per leaf, the dtype the device reads its weights in:
+      float32 (the default) or bfloat16 (see the module's docstring). Its
+      gradients may come in either, whichever this is.
     mu_dtype, nu_dtype: the moments' dtypes, float32 (the default) or
       bfloat16, stored rounded stochastically as ``jaxoffload.adam`` rounds
       them: fewer bytes for the kernel to read and write.
