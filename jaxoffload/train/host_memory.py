@@ -204,11 +204,12 @@ def check(setup: Setup) -> HostBytes:
   pool = pinned_pool_limit()
   per_device = int((1 + PINNED_POOL_SLACK) * need.pinned) // jax.local_device_count()
   if pool is not None and per_device > pool:
+    pinned_by = "host kernel weights and copies" if setup.host_kernel else "optimizer state"
     raise ConfigError(
         f"host memory: this run pins about {size(per_device)} of host memory per GPU, more than "
-        f"XLA's pinned pool gives ({size(pool)}, {PINNED_POOL_VARIABLE}); set that variable "
-        f"higher before starting, or lower the pinned bytes with "
-        f"{KEYS['optimizer state']}")
+        f"XLA's pinned pool gives ({size(pool)}, {PINNED_POOL_VARIABLE}); set "
+        f"{PINNED_POOL_VARIABLE}={math.ceil(per_device / 2**30)} or more before starting, or "
+        f"lower the pinned bytes with {KEYS[pinned_by]}")
   limit = setup.config.train.host_memory_limit
   have, source = available(None if limit is None else parse_bytes(limit))
   if need.total <= have:
