@@ -123,16 +123,19 @@ def test_the_budget_is_the_limit_less_what_the_process_holds_else_the_machines(t
                                        "HugePages_Total": 0}
 
 
-@pytest.mark.parametrize("placement, lowered_by", [
-    ("device", "optimizer.exp_avg_dtype=bfloat16"),
-    ("host_kernel", "optimizer.offload_weight_copies=False")])
-def test_a_run_pinning_more_than_xlas_pinned_pool_gives_is_refused(monkeypatch, placement,
+@pytest.mark.parametrize("settings, lowered_by", [
+    ([], "optimizer.exp_avg_sq_dtype=bfloat16$"),
+    (["optimizer.optimizer_offload_update_on=host_kernel"],
+     "optimizer.optimizer_offload_update_on=device$"),
+    (["optimizer.optimizer_offload_update_on=host_kernel",
+      "optimizer.offload_transfer_dtype=bfloat16"], "optimizer.offload_weight_copies=False$")])
+def test_a_run_pinning_more_than_xlas_pinned_pool_gives_is_refused(monkeypatch, settings,
                                                                    lowered_by):
   # On a GPU, XLA's pinned pool stops at XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (64 GiB unset):
-  # a step that needs more would fail mid-run.
+  # a step that needs more would fail mid-run. The keys named are those that lower what this
+  # run pins: no bfloat16 weight copies to drop with float32 transfers.
   from jaxoffload.train import host_memory
-  setup = resolve(load_config(None, OFFLOAD + [
-      f"optimizer.optimizer_offload_update_on={placement}", "model.dtype=bfloat16"]))
+  setup = resolve(load_config(None, OFFLOAD + settings + ["model.dtype=bfloat16"]))
   assert 0 < needed(setup).pinned < 2**30  # So the pool it needs rounds up to 1 GiB.
   monkeypatch.setattr(host_memory, "pinned_pool_limit", lambda: 1000)
   with pytest.raises(ConfigError, match=(

@@ -70,7 +70,6 @@ KEYS = {
     "optimizer state": "optimizer.optimizer_offload_fraction, optimizer.exp_avg_dtype=bfloat16, "
                        "optimizer.exp_avg_sq_dtype=bfloat16",
     "host kernel weights and copies": "optimizer.optimizer_offload_fraction, "
-                                      "optimizer.offload_weight_copies=False, "
                                       "optimizer.optimizer_offload_update_on=device",
     "host kernel moments and sums": "optimizer.optimizer_offload_fraction, "
                                     "train.micro_batch_size=train.global_batch_size",
@@ -79,6 +78,15 @@ KEYS = {
     "saving a checkpoint": "optimizer.optimizer_offload_update_on=device (whose saves copy "
                            "less), no checkpoint.dir",
 }
+
+
+def lowering_keys(setup: Setup) -> dict[str, str]:
+  """``KEYS`` for ``setup``'s run: with the host kernel's bfloat16 weight copies, the key that
+  drops them too."""
+  keys = dict(KEYS)
+  if setup.host_kernel and jnp.dtype(jnp.bfloat16) in setup.weight_transfer_dtypes:
+    keys["host kernel weights and copies"] += ", optimizer.offload_weight_copies=False"
+  return keys
 
 
 def size(n: int) -> str:
@@ -209,13 +217,13 @@ def check(setup: Setup) -> HostBytes:
         f"host memory: this run pins about {size(per_device)} of host memory per GPU, more than "
         f"XLA's pinned pool gives ({size(pool)}, {PINNED_POOL_VARIABLE}); set "
         f"{PINNED_POOL_VARIABLE}={math.ceil(per_device / 2**30)} or more before starting, or "
-        f"lower the pinned bytes with {KEYS[pinned_by]}")
+        f"lower the pinned bytes with {lowering_keys(setup)[pinned_by]}")
   limit = setup.config.train.host_memory_limit
   have, source = available(None if limit is None else parse_bytes(limit))
   if need.total <= have:
     return need
   # The keys of the parts that matter, largest first.
-  lowered_by = {**KEYS, "pinned allocator overhead": pool_limit_advice(need)}
+  lowered_by = {**lowering_keys(setup), "pinned allocator overhead": pool_limit_advice(need)}
   parts = sorted(((n, name) for name, n in {**need.held, **need.transient}.items()
                   if lowered_by.get(name) and n >= need.total / 10), reverse=True)
   keys = "; ".join(dict.fromkeys(lowered_by[name] for _, name in parts))
