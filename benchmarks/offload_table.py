@@ -9,6 +9,9 @@ and the baseline again (the noise its ratios and losses are read against):
 - ``unclipped``: the host kernel (with bfloat16 transfers for a model that
   computes in bfloat16) and ``optimizer.clip_grad=0``: its update runs from the
   backward pass on;
+- ``unclipped-no-weight-copies``: the same without the host's bfloat16 copies of
+  the weights (``optimizer.offload_weight_copies=False``): the device reads the
+  float32 weights and rounds them itself;
 - ``clip-never-reached``: the same with ``clip_grad=1e6``: the update is
   speculated from the backward pass on (``optimizer.speculate_cpu_optimizer_step``);
 - ``config-clipping``: the same with the config's ``clip_grad``;
@@ -40,6 +43,8 @@ HALVED = ["optimizer.offload_transfer_dtype=bfloat16"]
 # Per column: overrides for its baseline too (clipping), and for its offloaded settings.
 COLUMNS = {
     "unclipped": (["optimizer.clip_grad=0"], HOST_KERNEL),
+    "unclipped-no-weight-copies": (["optimizer.clip_grad=0"],
+                                   [*HOST_KERNEL, "optimizer.offload_weight_copies=False"]),
     "clip-never-reached": (["optimizer.clip_grad=1e6"], HOST_KERNEL),
     "config-clipping": ([], HOST_KERNEL),
     "one-program": ([], [*HOST_KERNEL, "optimizer.overlap_cpu_optimizer_d2h_h2d=False"]),
@@ -51,9 +56,12 @@ NOISE = "baseline again"  # jaxoffload.bench's name for the baseline's second ru
 def run_column(args: argparse.Namespace, column: str) -> list[dict]:
   """One bench run for ``column``; its results, each setting named by its fraction."""
   common, offloaded = COLUMNS[column]
-  if ON_HOST_KERNEL in offloaded and (
-      load_config(args.config, args.overrides).model.dtype == "bfloat16"):
+  bfloat16 = load_config(args.config, args.overrides).model.dtype == "bfloat16"
+  if ON_HOST_KERNEL in offloaded and bfloat16:
     offloaded = [*offloaded, *HALVED]
+  elif column == "unclipped-no-weight-copies":
+    raise SystemExit(f"column {column!r} needs a model that computes in bfloat16 "
+                     "(model.dtype=bfloat16): its weights go up in float32 otherwise anyway")
   out = f"{args.out}_{column}"
   command = [sys.executable, "-m", "jaxoffload.bench", "--steps", str(args.steps), "--out", out,
              "--settings", NOISE, *(["--config", args.config] if args.config else [])]

@@ -41,6 +41,8 @@ def test_every_benchmark_has_help(script, capsys, monkeypatch):
     (["benchmarks/host_memory.py", "train.train_iters=1"], "phases"),
     (["benchmarks/offload_table.py", "--steps", "1", "--fractions", "0.5", "--columns",
       "unclipped"], "step_ratio"),
+    (["benchmarks/offload_table.py", "--steps", "1", "--fractions", "0.5", "--columns",
+      "unclipped-no-weight-copies", "model.dtype=bfloat16"], "step_ratio"),
     (["benchmarks/host_memory_share.py", "--host", "0.1", "--stream", "0.1", "--layers", "2",
       "--matmul", "64", "--repeats", "1"], "parts"),
     # The calibration that exploring needs has a test of its own (test_plan).
@@ -77,3 +79,12 @@ def test_step_trace_reads_the_trainers_trace(tmp_path):
   assert sum(step["time_by_call_ms"].get("HostAdamW update", 0) for step in steps) > 0
   missing = run("benchmarks/step_trace.py", str(tmp_path / "none"), "--out", str(tmp_path / "x"))
   assert missing.returncode == 1 and "no trace (*.xplane.pb) under" in missing.stderr
+
+
+def test_the_offload_table_refuses_weight_copies_off_for_a_float32_model(tmp_path):
+  done = run("benchmarks/offload_table.py", "--columns", "unclipped-no-weight-copies",
+             "--out", str(tmp_path / "out"))
+  assert done.returncode != 0
+  assert done.stderr.strip().splitlines()[-1] == (
+      "column 'unclipped-no-weight-copies' needs a model that computes in bfloat16 "
+      "(model.dtype=bfloat16): its weights go up in float32 otherwise anyway")

@@ -133,7 +133,10 @@ class OptimizerConfig:
       reads the float32 weights and rounds them itself, the same numbers for twice
       the bytes on the way up, and the host holds 2 bytes an element less (16 GB
       for the Llama-3-8B shape at fraction 1.0,
-      [performance](performance.md#llama-3-8b-shape)).
+      [performance](performance.md#llama-3-8b-shape)). Where the host kernel's
+      update outlasts the device work it hides under (fraction 1.0), False is
+      faster too, as the kernel writes no copies; where it does not, the doubled
+      bytes up cost time ([performance](performance.md#optimizer-offload)).
     accumulate_offloaded_grads_on: with host_kernel and gradient accumulation, where
       the host kernel's leaves' gradients are summed over the micro-batches: host (a
       program per micro-batch; the model fetches their stacked weights a layer at a
