@@ -40,11 +40,12 @@ ON_HOST_KERNEL = "optimizer.optimizer_offload_update_on=host_kernel"
 HOST_KERNEL = [*OFFLOAD, ON_HOST_KERNEL]
 # With the host kernel, for a model that computes in bfloat16.
 HALVED = ["optimizer.offload_transfer_dtype=bfloat16"]
+NO_WEIGHT_COPIES = "unclipped-no-weight-copies"  # Only for a model that computes in bfloat16.
 # Per column: overrides for its baseline too (clipping), and for its offloaded settings.
 COLUMNS = {
     "unclipped": (["optimizer.clip_grad=0"], HOST_KERNEL),
-    "unclipped-no-weight-copies": (["optimizer.clip_grad=0"],
-                                   [*HOST_KERNEL, "optimizer.offload_weight_copies=False"]),
+    NO_WEIGHT_COPIES: (["optimizer.clip_grad=0"],
+                       [*HOST_KERNEL, "optimizer.offload_weight_copies=False"]),
     "clip-never-reached": (["optimizer.clip_grad=1e6"], HOST_KERNEL),
     "config-clipping": ([], HOST_KERNEL),
     "one-program": ([], [*HOST_KERNEL, "optimizer.overlap_cpu_optimizer_d2h_h2d=False"]),
@@ -56,12 +57,8 @@ NOISE = "baseline again"  # jaxoffload.bench's name for the baseline's second ru
 def run_column(args: argparse.Namespace, column: str) -> list[dict]:
   """One bench run for ``column``; its results, each setting named by its fraction."""
   common, offloaded = COLUMNS[column]
-  bfloat16 = load_config(args.config, args.overrides).model.dtype == "bfloat16"
-  if ON_HOST_KERNEL in offloaded and bfloat16:
+  if ON_HOST_KERNEL in offloaded and args.bfloat16:
     offloaded = [*offloaded, *HALVED]
-  elif column == "unclipped-no-weight-copies":
-    raise SystemExit(f"column {column!r} needs a model that computes in bfloat16 "
-                     "(model.dtype=bfloat16): its weights go up in float32 otherwise anyway")
   out = f"{args.out}_{column}"
   command = [sys.executable, "-m", "jaxoffload.bench", "--steps", str(args.steps), "--out", out,
              "--settings", NOISE, *(["--config", args.config] if args.config else [])]
@@ -121,15 +118,20 @@ def main() -> None:
   parser.add_argument("--config", help="the trainer config (default: the tiny model)")
   parser.add_argument("--steps", type=int, default=50)
   parser.add_argument("--fractions", default="0.25,0.5,1.0")
-  parser.add_argument("--columns", default=",".join(COLUMNS),
-                      help=f"comma-separated, of {list(COLUMNS)}")
+  parser.add_argument("--columns", help=f"comma-separated, of {list(COLUMNS)} (default: "
+                      f"all; {NO_WEIGHT_COPIES!r} only for a model computing in bfloat16)")
   parser.add_argument("--out", default="offload_table", help="output path prefix")
   args = parser.parse_args()
   args.fractions = [f.strip() for f in args.fractions.split(",")]
-  columns = [c.strip() for c in args.columns.split(",")]
+  args.bfloat16 = load_config(args.config, args.overrides).model.dtype == "bfloat16"
+  applicable = [c for c in COLUMNS if args.bfloat16 or c != NO_WEIGHT_COPIES]
+  columns = [c.strip() for c in args.columns.split(",")] if args.columns else applicable
   unknown = [c for c in columns if c not in COLUMNS]
   if unknown:
     parser.error(f"unknown columns {unknown}; known: {list(COLUMNS)}")
+  if NO_WEIGHT_COPIES in columns and not args.bfloat16:
+    parser.error(f"column {NO_WEIGHT_COPIES!r} needs a model that computes in bfloat16 "
+                 "(model.dtype=bfloat16); a float32 model's weights go up in float32 anyway")
   results = [row for column in columns
              for row in rows(column, run_column(args, column), args.fractions)]
   meta = metadata(sys.argv)
