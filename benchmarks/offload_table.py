@@ -54,10 +54,11 @@ COLUMNS = {
 NOISE = "baseline again"  # jaxoffload.bench's name for the baseline's second run.
 
 
-def run_column(args: argparse.Namespace, column: str) -> list[dict]:
-  """One bench run for ``column``; its results, each setting named by its fraction."""
+def run_column(args: argparse.Namespace, column: str, bfloat16: bool) -> list[dict]:
+  """One bench run for ``column`` (``bfloat16``: the model computes in it); its results,
+  each setting named by its fraction."""
   common, offloaded = COLUMNS[column]
-  if ON_HOST_KERNEL in offloaded and args.bfloat16:
+  if ON_HOST_KERNEL in offloaded and bfloat16:
     offloaded = [*offloaded, *HALVED]
   out = f"{args.out}_{column}"
   command = [sys.executable, "-m", "jaxoffload.bench", "--steps", str(args.steps), "--out", out,
@@ -123,17 +124,17 @@ def main() -> None:
   parser.add_argument("--out", default="offload_table", help="output path prefix")
   args = parser.parse_args()
   args.fractions = [f.strip() for f in args.fractions.split(",")]
-  args.bfloat16 = load_config(args.config, args.overrides).model.dtype == "bfloat16"
-  applicable = [c for c in COLUMNS if args.bfloat16 or c != NO_WEIGHT_COPIES]
+  bfloat16 = load_config(args.config, args.overrides).model.dtype == "bfloat16"
+  applicable = [c for c in COLUMNS if bfloat16 or c != NO_WEIGHT_COPIES]
   columns = [c.strip() for c in args.columns.split(",")] if args.columns else applicable
   unknown = [c for c in columns if c not in COLUMNS]
   if unknown:
     parser.error(f"unknown columns {unknown}; known: {list(COLUMNS)}")
-  if NO_WEIGHT_COPIES in columns and not args.bfloat16:
+  if NO_WEIGHT_COPIES in columns and not bfloat16:
     parser.error(f"column {NO_WEIGHT_COPIES!r} needs a model that computes in bfloat16 "
                  "(model.dtype=bfloat16); a float32 model's weights go up in float32 anyway")
   results = [row for column in columns
-             for row in rows(column, run_column(args, column), args.fractions)]
+             for row in rows(column, run_column(args, column, bfloat16), args.fractions)]
   meta = metadata(sys.argv)
   write_report(args.out, meta, results, table(meta, results, columns, args.fractions))
 
