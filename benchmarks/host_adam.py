@@ -1,11 +1,14 @@
-"""Host AdamW throughput: the numba kernel per thread count, against optax under jax.jit on the CPU.
+"""Host AdamW throughput: the numba kernel per thread count and per storage format, against optax.
 
   python benchmarks/host_adam.py --params 128 --out docs/benchmarks/host_adam
 
-Updates ``--params`` million float32 parameters (with their gradients and
-moments) in place; reports the median of ``--repeats`` steps as G params/s.
-The kernel works on JAX pinned_host buffers when a GPU is present (through
-``host_adam.writable_view``), else on numpy arrays.
+Updates ``--params`` million parameters (with their gradients and moments) in
+place; reports the median of ``--repeats`` steps as G params/s: float32 state
+on 1 to all threads, then each compact format the trainer offers on all of
+them (bfloat16 gradients; a split float32 master, bfloat16 weights; bfloat16
+or 8-bit moments), then optax under jax.jit on the CPU. The kernel works on JAX
+pinned_host buffers when a GPU is present (through ``host_adam.writable_view``),
+else on numpy arrays.
 """
 
 from __future__ import annotations
@@ -15,12 +18,19 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numba
 import numpy as np
 import optax
 
 from common import median, metadata, time_steps, write_report
-from jaxoffload import host_adam
+from jaxoffload import host_adam, host_kernels
+
+# Compact formats: (the weights, the moments), with bfloat16 gradients.
+FORMATS = {"float32 master, float32 moments": ("float32", "float32"),
+           "split float32 master, bfloat16 moments": ("split", "bfloat16"),
+           "split float32 master, 8-bit moments": ("split", "int8"),
+           "bfloat16 weights, 8-bit moments": ("bfloat16", "int8")}
 
 
 def host_arrays(n: int, count: int) -> tuple[list, list[np.ndarray]]:
@@ -46,6 +56,27 @@ def kernel_rate(n: int, threads: int, repeats: int) -> float:
   rate = n / median(time_steps(update, repeats)) / 1e9
   jax.block_until_ready(owners)  # Holds the memory until the views are done with.
   return rate
+
+
+def format_rate(n: int, weights: str, moments: str, repeats: int) -> float:
+  """The kernel's rate on all threads with weights and moments stored so."""
+  numba.set_num_threads(host_adam.max_threads())
+  rng = np.random.default_rng(0)
+  master = rng.standard_normal((n // 1024, 1024), dtype=np.float32)
+  high, remainder = host_kernels.split(master)
+  param = {"float32": master, "split": high.view(ml_dtypes.bfloat16),
+           "bfloat16": master.astype(ml_dtypes.bfloat16)}[weights]
+  if weights != "split":
+    remainder = None
+  grad = (0.01 * master).astype(ml_dtypes.bfloat16)
+  moment = lambda signed: (host_adam.CodedMoment.zeros(master.shape, signed=signed)
+                           if moments == "int8" else np.zeros(master.shape, moments))
+  mu, nu = moment(True), moment(False)
+  counter = iter(range(1, repeats + 2))
+  update = lambda: host_adam.adamw_update(param, grad, mu, nu, learning_rate=1e-4,
+                                          count=next(counter), weight_decay=0.1,
+                                          remainder=remainder)
+  return master.size / median(time_steps(update, repeats)) / 1e9
 
 
 def optax_cpu_rate(n: int, repeats: int) -> float:
@@ -81,11 +112,14 @@ def main() -> None:
   counts = sorted({1, 2, 4, 8, most} & set(range(1, most + 1)))
   results = [{"method": f"numba kernel, {t} threads", "g_params_per_s": kernel_rate(n, t, args.repeats)}
              for t in counts]
+  results += [{"method": f"numba kernel, {most} threads, bfloat16 gradients, {name}",
+               "g_params_per_s": format_rate(n, *stored, args.repeats)}
+              for name, stored in FORMATS.items()]
   results.append({"method": "optax.adamw, jax.jit on the CPU backend",
                   "g_params_per_s": optax_cpu_rate(n, args.repeats)})
   meta = {**metadata(sys.argv), "params": n,
           "memory": "pinned_host buffers" if jax.default_backend() != "cpu" else "numpy"}
-  lines = [f"# Host AdamW, {n / 1e6:.0f}M float32 parameters, in place",
+  lines = [f"# Host AdamW, {n / 1e6:.0f}M parameters, in place",
            "", f"Device: {meta['device']}; {meta['host_cores']} host cores; JAX {meta['jax']}; "
            f"{meta['date']}; kernel memory: {meta['memory']}.", f"Command: `{meta['command']}`", "",
            "| method | G params/s |", "|---|---|"]

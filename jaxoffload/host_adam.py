@@ -1,12 +1,13 @@
 """AdamW on the host's cores, in place, outside any XLA program.
 
 XLA's host computation (``compute_on('device_host')``) runs on one core; a
-numba kernel uses them all (docs/performance.md#host-adam). This module is
-that kernel: ``adamw_update`` applies one AdamW step to float32 arrays in
-place, with optax.adamw's arithmetic, using every core numba is allowed; it
-also takes bfloat16 gradients and writes a bfloat16 copy of the new weights,
-for a device that reads and sends half the bytes, and keeps the moments in
-float32 or bfloat16. ``adamw_undo`` takes an update back.
+numba kernel uses them all (docs/performance.md#host-adam). ``adamw_update``
+applies one AdamW step in place, with optax.adamw's arithmetic, on every core
+numba is allowed. It takes float32 or bfloat16 gradients; float32 weights,
+bfloat16 weights with the 16-bit remainders that make them an exact float32
+master (a device reads the bfloat16 half), or bfloat16 weights alone; and
+moments in float32, bfloat16 or 8-bit blocks (``CodedMoment``). The loops
+live in ``jaxoffload.host_kernels``. ``adamw_undo`` takes an update back.
 
 It works on numpy arrays. ``writable_view`` gives one over the memory of a
 single-shard JAX array in host memory, so the kernel can update JAX's pinned
@@ -17,137 +18,79 @@ there. Needs the ``host`` extra (numba).
 from __future__ import annotations
 
 import ctypes
-import functools
-import math
+import dataclasses
+from typing import Optional, Union
 
 import jax
 import ml_dtypes
 import numpy as np
 
-from jaxoffload import rounding
+from jaxoffload import blockwise, rounding
+from jaxoffload import host_kernels as kernels
+from jaxoffload.host_kernels import require_numba
 
-try:
-  import numba
-except ImportError:  # The in-graph transforms work without it.
-  numba = None
-
-
-def _require_numba() -> None:
-  if numba is None:
-    raise ImportError("jaxoffload.host_adam needs numba: pip install 'jaxoffload[host]'")
+# The kernels' view of a moment's storage, by dtype (``host_kernels.MOMENTS``).
+_MOMENT_KINDS = {np.dtype(np.float32): "float32", np.dtype(ml_dtypes.bfloat16): "bfloat16"}
 
 
-@numba.njit(inline="always") if numba else (lambda f: f)
-def _widen(bits):
-  # numba widens integer arithmetic to 64 bits: each result is cut back to 32.
-  return np.uint32(np.uint32(bits) << 16).view(np.float32)
+@dataclasses.dataclass(frozen=True)
+class CodedMoment:
+  """A moment in ``jaxoffload.blockwise``'s 8-bit format, in numpy arrays the kernel updates.
+
+  Attributes:
+    codes: int8 for a first moment, uint8 for a second; the moment's shape.
+    scales: float32, ``blockwise.scales_shape(codes.shape)``: a scale per block of a row.
+
+  Example:
+    >>> mu = CodedMoment.zeros((4, 64, 32), signed=True)
+    >>> mu[2].decode().shape  # Layer 2 of a stacked leaf: one row.
+    (64, 32)
+  """
+
+  codes: np.ndarray
+  scales: np.ndarray
+
+  @classmethod
+  def zeros(cls, shape: tuple[int, ...], *, signed: bool) -> "CodedMoment":
+    return cls(np.zeros(shape, blockwise.code_dtype(signed)),
+               np.zeros(blockwise.scales_shape(shape), np.float32))
+
+  @property
+  def signed(self) -> bool:
+    return self.codes.dtype == np.int8
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return self.codes.shape
+
+  @property
+  def nbytes(self) -> int:
+    return self.codes.nbytes + self.scales.nbytes
+
+  def __getitem__(self, index: int) -> "CodedMoment":
+    """Row ``index`` of a moment stacked along its first axis."""
+    return CodedMoment(self.codes[index], self.scales[index][None])
+
+  def decode(self) -> np.ndarray:
+    """The float32 moment the codes store."""
+    out = np.empty(self.shape, np.float32)
+    if out.size:
+      kernels.decode_kernel(self.signed)(self.codes.reshape(-1), self.scales.reshape(-1),
+                                         out.reshape(-1), self.codes.size // len(self.scales))
+    return out
+
+  def assign(self, values: np.ndarray) -> None:
+    """Stores float32 ``values`` (of the moment's shape)."""
+    values = np.ascontiguousarray(values, np.float32)
+    if values.shape != self.shape:
+      raise ValueError(f"values have shape {values.shape}, the moment has {self.shape}")
+    if values.size:
+      kernels.encode_kernel(self.signed)(values.reshape(-1), self.codes.reshape(-1),
+                                         self.scales.reshape(-1),
+                                         self.codes.size // len(self.scales))
 
 
-@numba.njit(inline="always") if numba else (lambda f: f)
-def _round_to_bfloat16(x):
-  # Round to nearest even, as XLA's convert; a NaN stays a quiet NaN of its sign. A select,
-  # not a branch, so that the loops around it vectorise.
-  bits = np.float32(x).view(np.uint32)
-  rounded = np.uint16(np.uint32(bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)
-  quiet_nan = np.uint16(np.uint32((bits >> 16) & 0x8000) | 0x7FC0)
-  return quiet_nan if x != x else rounded
-
-
-_HASH_1, _HASH_2 = rounding.HASH_MULTIPLIERS
-
-
-@numba.njit(inline="always") if numba else (lambda f: f)
-def _stochastic_bfloat16(x, salt):
-  # jaxoffload.rounding.stochastic_round, bit for bit: noise from a hash of the value's bits
-  # and the salt, added below the 16 bits bfloat16 keeps.
-  bits = np.float32(x).view(np.uint32)
-  h = np.uint32(bits ^ salt)
-  h = np.uint32(h ^ (h >> 16))
-  h = np.uint32(h * np.uint32(_HASH_1))
-  h = np.uint32(h ^ (h >> 15))
-  h = np.uint32(h * np.uint32(_HASH_2))
-  h = np.uint32(h ^ (h >> 16))
-  return np.uint16(np.uint32(bits + (h & 0xFFFF)) >> 16)
-
-
-@functools.cache
-def _step_kernel(grad_is_bf16: bool, has_copy: bool, mu_is_bf16: bool = False,
-                 nu_is_bf16: bool = False):
-  """The AdamW step compiled for one kind of gradient and of each moment, with or without the
-  bfloat16 copy: with the choices fixed at compile time the loop has no branches, and
-  vectorises."""
-  _require_numba()
-
-  # nogil: HostAdamW's background thread updates while the caller's dispatches.
-  @numba.njit(parallel=True, cache=True, nogil=True)
-  def step(param, grad, copy, mu, nu, grad_scale, lr, b1, b2, one_minus_b1, one_minus_b2, eps,
-           weight_decay, bias1, bias2, mu_salt, nu_salt):
-    # Element by element, as optax.adamw: moments, bias correction, decoupled
-    # weight decay, learning rate. Scalars are float32, so is the arithmetic.
-    # bfloat16 arrays come as their uint16 bits; bfloat16 moments are stored rounded
-    # stochastically, the update computed from them before rounding (as jaxoffload.adam).
-    for i in numba.prange(param.size):
-      g = (_widen(grad[i]) if grad_is_bf16 else grad[i]) * grad_scale
-      m = b1 * (_widen(mu[i]) if mu_is_bf16 else mu[i]) + one_minus_b1 * g
-      v = b2 * (_widen(nu[i]) if nu_is_bf16 else nu[i]) + one_minus_b2 * (g * g)
-      if mu_is_bf16:
-        mu[i] = _stochastic_bfloat16(m, mu_salt)
-      else:
-        mu[i] = m
-      if nu_is_bf16:
-        nu[i] = _stochastic_bfloat16(v, nu_salt)
-      else:
-        nu[i] = v
-      update = (m / bias1) / (np.float32(math.sqrt(v / bias2)) + eps) + weight_decay * param[i]
-      new = param[i] - lr * update
-      param[i] = new
-      if has_copy:
-        copy[i] = _round_to_bfloat16(new)
-
-  return step
-
-
-@functools.cache
-def _undo_kernel(grad_is_bf16: bool):
-  """``_step_kernel``'s step run backwards, for one kind of gradient."""
-  _require_numba()
-
-  @numba.njit(parallel=True, cache=True, nogil=True)
-  def undo(param, grad, mu, nu, grad_scale, lr, b1, b2, one_minus_b1, one_minus_b2, eps, decay,
-           bias1, bias2):
-    # The step's update is a function of the new moments; the weight decay, a factor on the
-    # old weight: new = old * (1 - lr * weight_decay) - lr * update.
-    for i in numba.prange(param.size):
-      g = (_widen(grad[i]) if grad_is_bf16 else grad[i]) * grad_scale
-      m = mu[i]
-      v = nu[i]
-      update = (m / bias1) / (np.float32(math.sqrt(v / bias2)) + eps)
-      param[i] = (param[i] + lr * update) / decay
-      mu[i] = (m - one_minus_b1 * g) / b1
-      # A moment that was ~0 comes back as rounding noise, which may be negative.
-      nu[i] = max((v - one_minus_b2 * (g * g)) / b2, np.float32(0))
-
-  return undo
-
-
-@functools.cache
-def _sum_kernel(grad_is_bf16: bool, first: bool, square_sum: bool):
-  """The gradient sum compiled for one kind of gradient, start and norm (as ``_step_kernel``)."""
-  _require_numba()
-
-  @numba.njit(parallel=True, cache=True)
-  def accumulate(total, grad):
-    # A float64 sum of squares: the norm of billions of float32 elements.
-    squares = 0.0
-    for i in numba.prange(total.size):
-      g = _widen(grad[i]) if grad_is_bf16 else grad[i]
-      t = g if first else total[i] + g
-      total[i] = t
-      if square_sum:
-        squares += np.float64(t) * np.float64(t)
-    return squares
-
-  return accumulate
+Moment = Union[np.ndarray, CodedMoment]
 
 
 def accumulate(total: np.ndarray, grad: np.ndarray, *, first: bool = False,
@@ -171,7 +114,7 @@ def accumulate(total: np.ndarray, grad: np.ndarray, *, first: bool = False,
     _check_array(name, array, dtypes, total, "total")
   grad_is_bf16 = grad.dtype == ml_dtypes.bfloat16
   flat = grad.reshape(-1)
-  kernel = _sum_kernel(grad_is_bf16, first, square_sum)
+  kernel = kernels.sum_kernel(grad_is_bf16, first, square_sum)
   return float(kernel(total.reshape(-1), flat.view(np.uint16) if grad_is_bf16 else flat))
 
 
@@ -188,24 +131,27 @@ def _check_array(name: str, array: np.ndarray, dtypes: tuple, like: np.ndarray, 
     raise ValueError(f"{name} has shape {array.shape}, {like_name} has {like.shape}")
 
 
-def adamw_update(param: np.ndarray, grad: np.ndarray, mu: np.ndarray, nu: np.ndarray, *,
+def adamw_update(param: np.ndarray, grad: np.ndarray, mu: Moment, nu: Moment, *,
                  learning_rate: float, count: int, b1: float = 0.9, b2: float = 0.999,
                  eps: float = 1e-8, weight_decay: float = 1e-4, grad_scale: float = 1.0,
-                 copy: np.ndarray | None = None) -> None:
-  """One AdamW step on float32 weights and their moments, in place, on every core numba may use.
+                 remainder: Optional[np.ndarray] = None) -> None:
+  """One AdamW step on weights and their moments, in place, on every core numba may use.
 
   Args:
-    param: float32 weights, C-contiguous; overwritten.
-    mu, nu: the moments, of that shape, float32 or bfloat16 (each kept rounded
-      stochastically, bit for bit as ``jaxoffload.rounding.stochastic_round`` with
-      the device optimizer's salts); overwritten.
+    param: the weights, C-contiguous; overwritten. float32; or bfloat16 with
+      ``remainder``: the float32 master split in two (``host_kernels``), exact; or
+      bfloat16 alone, each update rounded stochastically (salted by ``count``, as
+      ``jaxoffload.rounding.apply_updates`` rounds).
     grad: the gradient, float32 or bfloat16, of that shape.
+    mu, nu: the moments, of that shape: float32 or bfloat16 arrays (bfloat16 kept
+      rounded stochastically, bit for bit as ``jaxoffload.rounding.stochastic_round``
+      with the device optimizer's salts), or ``CodedMoment``s (8-bit, as
+      ``jaxoffload.blockwise`` encodes them); overwritten.
     learning_rate: this step's learning rate.
     count: the step number, from 1, for the bias corrections.
     b1, b2, eps, weight_decay: as ``optax.adamw``.
     grad_scale: multiplies the gradient first (global-norm clipping's factor).
-    copy: a bfloat16 array that also receives the new parameters, rounded to nearest
-      even as XLA's conversion does (what a device reading bfloat16 weights reads).
+    remainder: uint16, the low halves of a split float32 master (bfloat16 ``param``).
 
   Raises:
     ValueError: naming the array that is of a wrong dtype, not contiguous or
@@ -214,54 +160,70 @@ def adamw_update(param: np.ndarray, grad: np.ndarray, mu: np.ndarray, nu: np.nda
   Example:
     >>> adamw_update(w, g, m, v, learning_rate=3e-4, count=1)
   """
-  _check_step_arrays(param, grad, mu, nu, copy, count,
-                     moment_dtypes=(np.float32, ml_dtypes.bfloat16))
-  is_bf16 = [a.dtype == ml_dtypes.bfloat16 for a in (grad, mu, nu)]
-  flat = lambda a, bf16: _bits(a) if bf16 else a.reshape(-1)
+  weights = _check_step_arrays(param, grad, mu, nu, remainder, count)
+  if param.size == 0:
+    return
+  flat = lambda a: _bits(a) if a.dtype == ml_dtypes.bfloat16 else a.reshape(-1)
+  placeholder = np.zeros(1, np.float32)
+  storage = lambda m: ("int8", m.codes.reshape(-1), m.scales.reshape(-1)) if isinstance(
+      m, CodedMoment) else (_MOMENT_KINDS[m.dtype], flat(m), placeholder)
+  (mu_kind, mu_values, mu_scales), (nu_kind, nu_values, nu_scales) = storage(mu), storage(nu)
+  rows = len(mu.scales) if isinstance(mu, CodedMoment) else (
+      len(nu.scales) if isinstance(nu, CodedMoment) else 1)
   f32 = np.float32
-  _step_kernel(is_bf16[0], copy is not None, is_bf16[1], is_bf16[2])(
-      param.reshape(-1), flat(grad, is_bf16[0]),
-      np.zeros(1, np.uint16) if copy is None else _bits(copy), flat(mu, is_bf16[1]),
-      flat(nu, is_bf16[2]),
+  row_length = param.size // rows
+  kernels.step_kernel(grad.dtype == ml_dtypes.bfloat16, weights, mu_kind, nu_kind)(
+      flat(param), np.zeros(1, np.uint16) if remainder is None else remainder.reshape(-1),
+      flat(grad), mu_values, mu_scales, nu_values, nu_scales, row_length,
       # optax takes 1 - b1 in Python's float64 and rounds it once: 0.1, not
       # float32(1) - float32(0.9) = 0.100000024.
       f32(grad_scale), f32(learning_rate), f32(b1), f32(b2), f32(1 - b1), f32(1 - b2),
       f32(eps), f32(weight_decay), f32(1 - b1**count), f32(1 - b2**count),
-      # jaxoffload.adam's salts: the moments' own, from the step count.
-      _salt(2 * count), _salt(2 * count + 1))
+      # jaxoffload.adam's salts: the moments' own, from the step count; the weights', the
+      # count (jaxoffload.rounding.apply_updates's).
+      _salt(2 * count), _salt(2 * count + 1), _salt(count))
 
 
 def adamw_undo(param: np.ndarray, grad: np.ndarray, mu: np.ndarray, nu: np.ndarray, *,
                learning_rate: float, count: int, b1: float = 0.9, b2: float = 0.999,
-               eps: float = 1e-8, weight_decay: float = 1e-4, grad_scale: float = 1.0) -> None:
+               eps: float = 1e-8, weight_decay: float = 1e-4, grad_scale: float = 1.0,
+               remainder: Optional[np.ndarray] = None) -> None:
   """Takes back the ``adamw_update`` of the same arguments, in place, up to rounding.
 
   For an update applied before its gradient's scale was known (``HostAdamW``'s
   speculation): undo it, then update again with the right ``grad_scale``. The
   weights and first moment come back within a few float32 roundings; the second
   moment within a rounding of its updated value (where ``grad**2`` outweighed
-  it, that is the whole of it), and never below zero. A bfloat16 copy is left as
-  it is, for the update that follows to rewrite.
+  it, that is the whole of it), and never below zero. Needs float32 moments and a
+  float32 master, whole or split.
 
   Args:
     param, grad, mu, nu, learning_rate, count, b1, b2, eps, weight_decay,
-      grad_scale: exactly as the ``adamw_update`` being undone had them.
+      grad_scale, remainder: exactly as the ``adamw_update`` being undone had them.
 
   Raises:
-    ValueError: as ``adamw_update``.
+    ValueError: as ``adamw_update``; for moments that are not float32 or bfloat16 weights
+      without their remainder.
 
   Example:
     >>> adamw_update(w, g, m, v, learning_rate=3e-4, count=5)
     >>> adamw_undo(w, g, m, v, learning_rate=3e-4, count=5)  # w, m, v as before
   """
-  _check_step_arrays(param, grad, mu, nu, None, count)
+  weights = _check_step_arrays(param, grad, mu, nu, remainder, count,
+                               moment_dtypes=(np.float32,))
+  if weights == "bfloat16":
+    raise ValueError("an update of bfloat16 weights without their remainder cannot be taken "
+                     "back (its rounding was stochastic)")
+  if param.size == 0:
+    return
   grad_is_bf16 = grad.dtype == ml_dtypes.bfloat16
   f32 = np.float32
-  _undo_kernel(grad_is_bf16)(
-      param.reshape(-1), _bits(grad) if grad_is_bf16 else grad.reshape(-1), mu.reshape(-1),
-      nu.reshape(-1), f32(grad_scale), f32(learning_rate), f32(b1), f32(b2), f32(1 - b1),
-      f32(1 - b2), f32(eps), f32(1 - learning_rate * weight_decay), f32(1 - b1**count),
-      f32(1 - b2**count))
+  kernels.undo_kernel(grad_is_bf16, weights == "split")(
+      _bits(param) if weights == "split" else param.reshape(-1),
+      np.zeros(1, np.uint16) if remainder is None else remainder.reshape(-1),
+      _bits(grad) if grad_is_bf16 else grad.reshape(-1), mu.reshape(-1), nu.reshape(-1),
+      f32(grad_scale), f32(learning_rate), f32(b1), f32(b2), f32(1 - b1), f32(1 - b2),
+      f32(eps), f32(1 - learning_rate * weight_decay), f32(1 - b1**count), f32(1 - b2**count))
 
 
 def _salt(value: int) -> np.uint32:
@@ -274,17 +236,39 @@ def _bits(array: np.ndarray) -> np.ndarray:
   return array.reshape(-1).view(np.uint16)
 
 
-def _check_step_arrays(param, grad, mu, nu, copy, count: int, *,
-                       moment_dtypes: tuple = (np.float32,)) -> None:
-  """Raises ValueError naming the first of the step's arrays or ``count`` the kernel refuses."""
-  allowed = {"grad": (np.float32, ml_dtypes.bfloat16), "copy": (ml_dtypes.bfloat16,),
-             "mu": moment_dtypes, "nu": moment_dtypes}
-  arrays = {"param": param, "grad": grad, "mu": mu, "nu": nu, "copy": copy}
-  for name, array in arrays.items():
-    if array is not None:
-      _check_array(name, array, allowed.get(name, (np.float32,)), param, "param")
+def _check_step_arrays(param, grad, mu, nu, remainder, count: int, *,
+                       moment_dtypes: tuple = (np.float32, ml_dtypes.bfloat16)) -> str:
+  """How the weights are stored (``host_kernels.WEIGHTS``); raises ValueError naming the
+  first of the step's arrays, or ``count``, that the kernel refuses."""
+  _check_array("param", param, (np.float32, ml_dtypes.bfloat16), param, "param")
+  _check_array("grad", grad, (np.float32, ml_dtypes.bfloat16), param, "param")
+  if remainder is not None:
+    if param.dtype != ml_dtypes.bfloat16:
+      raise ValueError(f"a remainder completes bfloat16 weights; param is {param.dtype}")
+    _check_array("remainder", remainder, (np.uint16,), param, "param")
+  for name, moment in (("mu", mu), ("nu", nu)):
+    if isinstance(moment, CodedMoment):
+      if len(moment_dtypes) < 2:
+        raise ValueError(f"{name} must be float32, got 8-bit codes")
+      if moment.signed != (name == "mu"):
+        raise ValueError(f"{name} must have {'int8' if name == 'mu' else 'uint8'} codes, got "
+                         f"{moment.codes.dtype}")
+      _check_array(f"{name}.codes", moment.codes, (moment.codes.dtype,), param, "param")
+      _check_array(f"{name}.scales", moment.scales, (np.float32,), moment.scales,
+                   f"{name}.scales")
+      rows = moment.scales.shape[0] if moment.scales.ndim == 2 else 0
+      need = (rows, -(-moment.codes.size // rows // blockwise.BLOCK)) if rows else None
+      if need is None or moment.codes.size % rows or moment.scales.shape != need:
+        raise ValueError(f"{name}.scales has shape {moment.scales.shape}: its codes need a row "
+                         f"of scales, one per block of {blockwise.BLOCK}, for each of rows "
+                         f"that divide them evenly")
+    else:
+      _check_array(name, moment, moment_dtypes, param, "param")
   if count < 1:
     raise ValueError(f"count must be at least 1 (the first step is 1), got {count}")
+  if param.dtype == np.float32:
+    return "float32"
+  return "split" if remainder is not None else "bfloat16"
 
 
 def writable_view(array: jax.Array) -> np.ndarray:
@@ -318,5 +302,6 @@ def writable_view(array: jax.Array) -> np.ndarray:
 
 def max_threads() -> int:
   """How many threads the kernel may use (numba's setting; ``NUMBA_NUM_THREADS`` caps it)."""
-  _require_numba()
+  require_numba()
+  import numba  # Installed: require_numba says so.
   return numba.get_num_threads()

@@ -68,23 +68,27 @@ def shard_values(values: Any, like: jax.Array) -> list[np.ndarray]:
   return [whole[indices[shard.device]] for shard in sorted_shards(like)]
 
 
-def whole_copy(shards: Sequence[np.ndarray], like: jax.Array) -> jax.Array:
-  """A copy of per-shard numpy arrays cut like ``like``, as a JAX array of its dtype: whole on
-  the CPU backend, outside XLA's pinned pool (which never gives memory back); or, where
-  this process holds only some of the leaf's shards, placed like ``like`` (pinned, then)."""
+def whole_copy(shards: Sequence[np.ndarray], like: jax.Array, dtype=None) -> jax.Array:
+  """A copy of per-shard numpy arrays cut like ``like``, as a JAX array of ``dtype`` (``like``'s
+  unless given): whole on the CPU backend, outside XLA's pinned pool (which never gives
+  memory back); or, where this process holds only some of the leaf's shards, placed like
+  ``like`` (pinned, then)."""
+  dtype = like.dtype if dtype is None else dtype
   if not like.is_fully_addressable:
-    return gather(shards, like)
-  whole = np.empty(like.shape, like.dtype)
+    return gather(shards, like, dtype)
+  whole = np.empty(like.shape, dtype)
   indices = like.sharding.addressable_devices_indices_map(like.shape)
   for values, shard in zip(shards, sorted_shards(like)):
     whole[indices[shard.device]] = values
   return jax.device_put(whole, jax.devices("cpu")[0])
 
 
-def gather(shards: Sequence[np.ndarray], like: jax.Array) -> jax.Array:
-  """Per-shard numpy arrays as one JAX array placed like ``like``."""
+def gather(shards: Sequence[np.ndarray], like: jax.Array, dtype=None) -> jax.Array:
+  """Per-shard numpy arrays as one JAX array of ``dtype`` (``like``'s unless given) placed like
+  ``like``."""
   # Copies: device_put may keep using a numpy array's memory, and these change.
-  placed = [jax.device_put(values.astype(like.dtype), jax.sharding.SingleDeviceSharding(
+  dtype = like.dtype if dtype is None else dtype
+  placed = [jax.device_put(values.astype(dtype), jax.sharding.SingleDeviceSharding(
       shard.device, memory_kind=like.sharding.memory_kind))
             for values, shard in zip(shards, sorted_shards(like))]
   return jax.make_array_from_single_device_arrays(like.shape, like.sharding, placed)

@@ -6,11 +6,17 @@ moments in host memory only the host touches, and ``HostAdamW`` applies each
 step's gradients with the multi-threaded ``host_adam`` kernel. Only the
 gradients come down and the weights go up.
 
-With ``device_dtypes`` bfloat16 for a leaf, the device reads a bfloat16 copy of
-its weights that the kernel writes beside the float32 ones, and sends its
-gradient in bfloat16: half the bytes each way. A model that multiplies in
-bfloat16 rounds those weights so itself; the gradient's rounding is new only
-when it did not come out of a bfloat16 matmul already.
+With ``device_dtypes`` bfloat16 for a leaf, the host keeps its float32 master
+split in two (TransformerEngine's ``store_param_remainders``): the bfloat16
+weights the device reads, in ``pinned_host``, and the 16 bits they drop, in
+host memory only the host touches; the device sends its gradient in
+bfloat16: half the bytes each way, and 4 bytes of host memory an element for
+an exact float32 master. A model that multiplies in bfloat16 rounds those
+weights itself (to nearest, ties to even where the split rounds ties away from
+zero); the gradient's rounding is new only when it did not come out of a
+bfloat16 matmul already. bfloat16 weights (``main_params_dtype=bfloat16``)
+are their own master, each update rounded stochastically. The moments are
+float32, bfloat16 or 8-bit (``jaxoffload.blockwise``).
 
 ``hold`` and ``apply_held`` spread one exact update over the next device step,
 a piece at a time (a leaf, or one layer of a leaf stacked over layers): apply
@@ -44,8 +50,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxoffload import host_adam, host_arrays
+from jaxoffload import blockwise, host_adam, host_arrays
+from jaxoffload._compat import DEVICE_KIND
 from jaxoffload.held_update import HeldUpdate, Piece
+from jaxoffload.host_state import MOMENT_DTYPES, HostState
 
 Schedule = Union[float, Callable[[int], float]]
 
@@ -55,73 +63,78 @@ Schedule = Union[float, Callable[[int], float]]
 _SCHEDULE_TABLE = 1024
 
 
-def host_bytes_per_element(device_dtype: Any = jnp.float32, *, summed: bool = False,
-                           moment_bytes: int = 8) -> tuple[int, int]:
+def host_bytes_per_element(device_dtype: Any = jnp.float32, *, master_dtype: Any = jnp.float32,
+                           summed: bool = False, moment_bytes: float = 8) -> tuple[int, float]:
   """The host bytes ``HostAdamW`` holds per element of a leaf, before it allocates them.
 
   Args:
     device_dtype: as ``HostAdamW``'s ``device_dtypes``, for the leaf.
+    master_dtype: the weights' dtype, float32 or bfloat16 (its own master).
     summed: whether ``accumulate`` sums micro-batches' gradients.
-    moment_bytes: both moments' bytes per element (``mu_dtype``'s and ``nu_dtype``'s).
+    moment_bytes: both moments' bytes per element (``moment_bytes``).
 
   Returns:
-    ``(pinned, unpinned)``: the float32 weights and the copies the device reads,
-    and the two moments (with the gradients' float32 sums when ``summed``).
+    ``(pinned, unpinned)``: the weights the device reads, and what only the host reads:
+    the remainders of a split master, the two moments (with the gradients' float32 sums
+    when ``summed``).
 
   Example:
-    >>> pinned, unpinned = host_bytes_per_element(jnp.bfloat16)  # (6, 8)
+    >>> pinned, unpinned = host_bytes_per_element(jnp.bfloat16)  # (2, 10): a split master.
   """
-  copy = 2 if jnp.dtype(device_dtype) == jnp.bfloat16 else 0  # As _place keeps them.
-  return 4 + copy, moment_bytes + (4 if summed else 0)
+  split = (jnp.dtype(master_dtype) == jnp.float32 and jnp.dtype(device_dtype) == jnp.bfloat16)
+  pinned = jnp.dtype(master_dtype).itemsize - (2 if split else 0)
+  return pinned, (2 if split else 0) + moment_bytes + (4 if summed else 0)
+
+
+def moment_bytes(dtype: Any, shape: tuple[int, ...] = ()) -> float:
+  """A moment's host bytes an element in ``dtype`` (int8: ``jaxoffload.blockwise``'s)."""
+  if blockwise.is_blockwise(dtype):
+    return blockwise.bytes_per_element(shape) if shape else 1 + 4 / blockwise.BLOCK
+  return jnp.dtype(dtype).itemsize
 
 
 class HostAdamW:
   """AdamW for weights kept in host memory, applied by the host's cores between device steps.
 
   Args:
-    params: the offloaded weights, float32 arrays in ``pinned_host`` memory
-      (any sharding; each process updates its own shards).
+    params: the offloaded weights, any sharding (each process updates its own shards),
+      which this object takes over: float32 masters, in ``pinned_host`` memory (in device
+      memory where the device reads them in bfloat16: they are split where they lie); or
+      bfloat16 weights in ``pinned_host``, their own master.
     learning_rate: a float, or ``schedule(count) -> float`` with optax's
       convention (count 0 for the first update).
     b1, b2, eps, weight_decay: as ``optax.adamw``.
     device_dtypes: per leaf, the dtype the device reads its weights in:
-      float32 (the default) or bfloat16 (see the module's docstring). Its
-      gradients may come in either, whichever this is.
-    mu_dtype, nu_dtype: the moments' dtypes, float32 (the default) or
-      bfloat16, stored rounded stochastically as ``jaxoffload.adam`` rounds
-      them: fewer bytes for the kernel to read and write.
+      float32 (the default) or bfloat16 (see the module's docstring); bfloat16 for
+      bfloat16 weights. Its gradients may come in either, whichever this is.
+    mu_dtype, nu_dtype: the moments' dtypes: float32 (the default), bfloat16
+      (stored rounded stochastically as ``jaxoffload.adam`` rounds them) or int8
+      (``jaxoffload.blockwise``'s 8-bit blocks): fewer bytes for the kernel to
+      read and write.
 
   Raises:
-    ValueError: naming the leaf that is not float32, not in host memory, or
-      given another device dtype; or the moment dtype that is neither.
+    ValueError: naming the leaf that is neither float32 nor bfloat16, not in host
+      memory, or given a device dtype it cannot have; or the moment dtype.
   """
 
   def __init__(self, params: Sequence[jax.Array], *, learning_rate: Schedule,
                b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-4,
                device_dtypes: Optional[Sequence] = None, mu_dtype: Any = jnp.float32,
                nu_dtype: Any = jnp.float32):
-    device_dtypes = [jnp.float32] * len(params) if device_dtypes is None else device_dtypes
+    device_dtypes = ([p.dtype for p in params] if device_dtypes is None
+                     else [jnp.dtype(d) for d in device_dtypes])
     if len(device_dtypes) != len(params):
       raise ValueError(f"device_dtypes has {len(device_dtypes)} entries for {len(params)} leaves")
     for i, (p, dtype) in enumerate(zip(params, device_dtypes)):
-      if p.dtype != jnp.float32:
-        raise ValueError(f"HostAdamW keeps float32 weights; leaf {i} is {p.dtype}")
-      if p.sharding.memory_kind != "pinned_host" and jax.default_backend() != "cpu":
-        raise ValueError(f"leaf {i} must be in pinned_host memory, not {p.sharding.memory_kind}")
-      if jnp.dtype(dtype) not in (jnp.float32, jnp.bfloat16):
-        raise ValueError(f"leaf {i}: the device reads float32 or bfloat16, not {jnp.dtype(dtype)}")
+      _check_leaf(i, p, dtype)
     for name, dtype in (("mu_dtype", mu_dtype), ("nu_dtype", nu_dtype)):
-      if jnp.dtype(dtype) not in (jnp.float32, jnp.bfloat16):
-        raise ValueError(f"{name} must be float32 or bfloat16, got {jnp.dtype(dtype)}")
-    self._device_dtypes = [jnp.dtype(d) for d in device_dtypes]
+      if jnp.dtype(dtype) not in MOMENT_DTYPES:
+        raise ValueError(f"{name} must be one of {[d.name for d in MOMENT_DTYPES]}, got "
+                         f"{jnp.dtype(dtype)}")
     self._schedule = learning_rate if callable(learning_rate) else (lambda _: learning_rate)
     self._rates_start, self._rates = 0, self._schedule_table(0)
     self._hyper = dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
-    self._place(params)
-    # Only the host reads the moments: plain host memory, outside XLA's pinned pool.
-    self._mu = [[np.zeros(v.shape, mu_dtype) for v in views] for views in self._weight_views]
-    self._nu = [[np.zeros(v.shape, nu_dtype) for v in views] for views in self._weight_views]
-    self._float32_moments = jnp.dtype(mu_dtype) == jnp.dtype(nu_dtype) == jnp.float32
+    self.state = HostState(params, device_dtypes, mu_dtype, nu_dtype)
     self._held: Optional[HeldUpdate] = None  # hold()'s update, until every piece is applied.
     self._background: Optional[concurrent.futures.ThreadPoolExecutor] = None  # hold(order=)'s.
     # Per leaf and shard, the float32 sums of accumulate(); _summed: they hold this step's.
@@ -132,60 +145,48 @@ class HostAdamW:
     self.speculated = 0  # Updates applied ahead of their scale (hold(speculative=True)).
     self.undone = 0  # Of those, the ones taken back: their scale was not 1.
 
-  def _place(self, weights: Sequence[jax.Array]) -> None:
-    """Takes ``weights`` (arrays no one else holds) as the float32 weights, updated in place,
-    with the bfloat16 copies the device reads instead (None for a leaf read in float32)."""
-    self._weights, self._copies = [], []
-    for w, dtype in zip(weights, self._device_dtypes):
-      if len({shard.data.unsafe_buffer_pointer() for shard in w.addressable_shards}) < len(
-          w.addressable_shards):
-        # Replicas sharing one buffer (jax.device_put of numpy on the CPU backend): the
-        # kernel would update it once per shard.
-        w = host_arrays.copy(w)
-      self._weights.append(w)
-      self._copies.append(host_arrays.copy(w, dtype) if dtype == jnp.bfloat16 else None)
-    jax.block_until_ready((self._weights, self._copies))
-    self._weight_views = [host_arrays.shard_views(w) for w in self._weights]
-    self._copy_views = [None if c is None else host_arrays.shard_views(c) for c in self._copies]
-
   def __str__(self) -> str:
-    elements = sum(p.size for p in self.weights)
-    halved = sum(d == jnp.bfloat16 for d in self._device_dtypes)
-    return (f"host kernel: {len(self.weights)} leaves ({elements:,} parameter elements) with "
-            f"their weights and Adam moments in host memory, {host_adam.max_threads()} threads"
-            + (f", {halved} leaves sent in bfloat16" if halved else ""))
+    elements = sum(p.size for p in self.params)
+    split = sum(self.state.split)
+    return (f"host kernel: {len(self.params)} leaves ({elements:,} parameter elements) with "
+            f"their weights and Adam moments ({self.state.mu_dtype.name}, "
+            f"{self.state.nu_dtype.name}) in host memory, {host_adam.max_threads()} threads"
+            + (f", {split} leaves read in bfloat16 beside their float32 masters' remainders"
+               if split else ""))
 
   @property
   def moment_bytes(self) -> int:
     """Host memory of the Adam moments, every shard's."""
-    return sum(m.nbytes for moments in (self._mu, self._nu) for leaf in moments for m in leaf)
+    return self.state.moment_bytes
 
   @property
   def unpinned_bytes(self) -> int:
-    """Host memory outside the pinned pool: the moments, and the gradient sums once
-    allocated."""
-    return self.moment_bytes + sum(t.nbytes for leaf in self._sums or [] for t in leaf)
+    """Host memory outside the pinned pool: the moments, the split masters' remainders, and
+    the gradient sums once allocated."""
+    return (self.moment_bytes + self.state.remainder_bytes
+            + sum(t.nbytes for leaf in self._sums or [] for t in leaf))
 
   @property
   def weight_bytes(self) -> int:
-    """Host memory of one set of the float32 weights: what the device no longer holds."""
-    return sum(w.nbytes for w in self.weights)
+    """Host memory of the weights and their masters: what the device no longer holds."""
+    return self.state.pinned_bytes + self.state.remainder_bytes
 
   @property
   def pinned_bytes(self) -> int:
-    """Pinned host memory of the weights and the copies the device reads, every shard's."""
-    return sum(shard.data.nbytes for a in self._weights + self._copies if a is not None
-               for shard in a.addressable_shards)
+    """Pinned host memory of the weights the device reads, every shard's."""
+    return self.state.pinned_bytes
 
   @property
   def params(self) -> list[jax.Array]:
     """The weights the next device step must read, in each leaf's device dtype."""
-    return [w if c is None else c for w, c in zip(self._weights, self._copies)]
+    return list(self.state.params)
 
   @property
   def weights(self) -> list[jax.Array]:
-    """The float32 weights with every update applied so far."""
-    return list(self._weights)
+    """The float32 masters with every update applied so far: the live arrays where a master
+    is whole float32, copies on the CPU backend where it is split or bfloat16."""
+    return [p if p.dtype == jnp.float32 else host_arrays.whole_copy(
+        self.state.masters(leaf), p, jnp.float32) for leaf, p in enumerate(self.state.params)]
 
   def update(self, grads: Sequence[jax.Array], grad_scale: Union[float, jax.Array] = 1.0
              ) -> None:
@@ -223,7 +224,7 @@ class HostAdamW:
     """
     jax.block_until_ready(grads)
     if self._sums is None:  # Pages are taken as the first sums fill them.
-      self._sums = [[np.empty(v.shape, np.float32) for v in views] for views in self._weight_views]
+      self._sums = [[np.empty(v.shape, np.float32) for v in views] for views in self.state.views]
     squares = 0.0
     for sums, grad in zip(self._sums, grads):
       first_replicas = [shard.replica_id == 0 for shard in host_arrays.sorted_shards(grad)]
@@ -263,11 +264,11 @@ class HostAdamW:
         the timing. Needs float32 moments.
 
     Raises:
-      ValueError: for a speculative update without ``order`` or with bfloat16 moments.
+      ValueError: for a speculative update without ``order`` or that cannot be taken back.
     """
     if speculative and (order is None or not self.can_take_back):
-      raise ValueError("a speculative update needs an order and float32 moments (bfloat16 "
-                       "moments cannot be taken back exactly)")
+      raise ValueError("a speculative update needs an order, float32 moments and float32 "
+                       "masters (stochastic roundings cannot be taken back exactly)")
     self.apply_held()
     if order is not None and self._background is None:
       self._background = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="HostAdamW")
@@ -288,8 +289,10 @@ class HostAdamW:
 
   @property
   def can_take_back(self) -> bool:
-    """Whether an update can be taken back (``hold(speculative=True)``): float32 moments."""
-    return self._float32_moments
+    """Whether an update can be taken back (``hold(speculative=True)``): float32 moments and
+    float32 masters, whole or split."""
+    return (self.state.mu_dtype == self.state.nu_dtype == jnp.float32
+            and self.state.float32_masters)
 
   def apply_held(self, pieces: Optional[Iterable[Piece]] = None) -> None:
     """Applies the held gradients of ``pieces`` (None: all still held), waiting for them;
@@ -317,6 +320,12 @@ class HostAdamW:
       raise ValueError("add_held gives pieces to a held update: hold(..., order=...) first")
     self._held.add(grads, grad_scale)
 
+  def wait_for_room(self, limit: int) -> None:
+    """Waits until the held update's gradients given and not yet applied hold at most
+    ``limit`` bytes (``HeldUpdate.wait_for_room``); at once with none held."""
+    if self._held is not None:
+      self._held.wait_for_room(limit)
+
   def cancel_held(self, error: BaseException) -> None:
     """Stops the held update's thread, if any, before pieces it waits for come: they and
     every later ``apply_held`` raise ``error``, and the state is no step's."""
@@ -330,34 +339,42 @@ class HostAdamW:
   def checkpoint(self, *, copy: bool = True) -> dict:
     """The host state as JAX arrays in host memory, for orbax to save.
 
-    The float32 weights keep their shardings; the moments are whole float32 arrays
-    (whatever their dtype here) on the CPU backend (placed like the weights where
-    this process holds only some of a leaf's shards).
+    The float32 masters (``weights``): whole float32 ones keep their shardings, split and
+    bfloat16 ones are copies like the moments, which are whole float32 arrays (whatever
+    their dtype here) on the CPU backend (placed like the weights where this process holds
+    only some of a leaf's shards).
 
     Args:
-      copy: weights in new arrays that later updates leave alone. With False, the live
-        weights themselves, which the save must have written before the next
-        ``update``. The moments are always copies (``host_arrays.whole_copy``).
+      copy: live masters copied into new arrays that later updates leave alone. With
+        False, the live masters themselves, which the save must have written before the
+        next ``update``.
     """
-    # With copy, copied before returning: with bfloat16 copies the next update
-    # rewrites these float32 weights in place, ordered after no device work.
-    arrays = ((lambda xs: jax.block_until_ready([host_arrays.copy(x) for x in xs])) if copy
-              else list)
-    return {"count": np.array(self.count, np.int64), "params": arrays(self.weights),
-            **{name: [host_arrays.whole_copy(shards, p) for shards, p in zip(moments,
-                                                                             self.weights)]
-               for name, moments in (("mu", self._mu), ("nu", self._nu))}}
+    params, weights = self.state.params, self.weights
+    if copy:  # Copied before returning: the next update rewrites them in place.
+      weights = jax.block_until_ready([host_arrays.copy(w) if w is live else w
+                                       for w, live in zip(weights, params)])
+    return {"count": np.array(self.count, np.int64), "params": weights,
+            **{name: [host_arrays.whole_copy(self.state.moments(name, leaf), p, jnp.float32)
+                      for leaf, p in enumerate(params)] for name in ("mu", "nu")}}
 
   def checkpoint_target(self) -> dict:
     """What ``checkpoint`` returns, as shapes and placements: orbax's restore target."""
     like = lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=p.sharding)
     return {"count": np.array(0, np.int64),
-            **{name: [like(p) for p in self.weights] for name in ("params", "mu", "nu")}}
+            **{name: [like(p) for p in self.state.params] for name in ("params", "mu", "nu")}}
 
   def load(self, state: dict) -> None:
     """Continues from a state ``checkpoint`` made (restored into ``checkpoint_target``)."""
-    # Copies the kernel may write: XLA's own buffers, never read into numpy.
-    self._place([host_arrays.copy(p) for p in state["params"]])
+    placed = []
+    for saved, now, split in zip(state["params"], self.state.params, self.state.split):
+      if split:  # Split in device memory: the master never enters the pinned pool whole.
+        placed.append(jax.device_put(saved, now.sharding.with_memory_kind(DEVICE_KIND)))
+        continue
+      if saved.sharding != now.sharding:
+        saved = jax.device_put(saved, now.sharding)
+      # A copy the kernel may write: XLA's own buffer, never read into numpy.
+      placed.append(host_arrays.copy(saved, None if saved.dtype == now.dtype else now.dtype))
+    self.state.place(placed)
     self.load_moments(state)
 
   def load_moments(self, state: dict) -> None:
@@ -368,18 +385,16 @@ class HostAdamW:
         iterables of whole leaves (JAX or numpy arrays, float32), read one at a time:
         a generator that reads each from disk holds one leaf in memory at once.
     """
-    for saved, views in ((state["mu"], self._mu), (state["nu"], self._nu)):
-      for values, shards, like in zip(saved, views, self.weights):
-        for shard, part in zip(shards, host_arrays.shard_values(values, like)):
-          shard[...] = part
+    self.state.load_moments(state["mu"], state["nu"])
     self.count = int(state["count"])
     self._rates_start, self._rates = self.count, self._schedule_table(self.count)
 
   def snapshot(self) -> list[np.ndarray]:
     """Copies of the current float32 weights as numpy arrays (for checks and checkpoints)."""
-    # Through a computation: converting the live arrays would make JAX keep
-    # that conversion and show it again after the next in-place update.
-    return [np.asarray(host_arrays.copy(p)) for p in self.weights]
+    # A live master through a computation: converting it would make JAX keep that
+    # conversion and show it again after the next in-place update.
+    return [np.asarray(host_arrays.copy(w)) if w is live else np.asarray(w)
+            for w, live in zip(self.weights, self.state.params)]
 
   def _schedule_table(self, start: int) -> np.ndarray:
     """The learning rates of updates ``start + 1`` to ``start + _SCHEDULE_TABLE``."""
@@ -411,8 +426,6 @@ class HostAdamW:
     """Applies a leaf's gradient, or one layer's of a stacked leaf (``piece``), as update
     ``count``; with ``undo``, takes that back."""
     leaf, layer = piece
-    weights, copies = self._weight_views[leaf], self._copy_views[leaf]
-    part = (lambda views: views) if layer is None else (lambda views: views[layer])
     # A leaf's gradient: an array in host memory, or a sum's shards.
     views = grad if isinstance(grad, list) else host_arrays.shard_views(grad)
     settings = dict(learning_rate=learning_rate, count=count, grad_scale=scale, **self._hyper)
@@ -420,10 +433,21 @@ class HostAdamW:
     with jax.profiler.TraceAnnotation("HostAdamW undo" if undo else "HostAdamW update",
                                       leaf=leaf, layer=-1 if layer is None else layer):
       for shard, grad_view in enumerate(views):
-        arrays = (part(weights[shard]), grad_view, part(self._mu[leaf][shard]),
-                  part(self._nu[leaf][shard]))
-        if undo:
-          host_adam.adamw_undo(*arrays, **settings)
-        else:
-          host_adam.adamw_update(*arrays, copy=None if copies is None else part(copies[shard]),
-                                 **settings)
+        param, remainder, mu, nu = self.state.update_arrays(leaf, layer, shard)
+        (host_adam.adamw_undo if undo else host_adam.adamw_update)(
+            param, grad_view, mu, nu, remainder=remainder, **settings)
+
+
+def _check_leaf(index: int, param: jax.Array, device_dtype: jnp.dtype) -> None:
+  """Raises ValueError naming leaf ``index`` where ``HostAdamW`` cannot take it."""
+  if param.dtype not in (jnp.float32, jnp.bfloat16):
+    raise ValueError(f"HostAdamW keeps float32 or bfloat16 weights; leaf {index} is {param.dtype}")
+  if device_dtype not in (jnp.float32, jnp.bfloat16):
+    raise ValueError(f"leaf {index}: the device reads float32 or bfloat16, not {device_dtype}")
+  if param.dtype == jnp.bfloat16 and device_dtype != jnp.bfloat16:
+    raise ValueError(f"leaf {index}: bfloat16 weights are read in bfloat16, not {device_dtype}")
+  split = param.dtype == jnp.float32 and device_dtype == jnp.bfloat16
+  if (not split and param.sharding.memory_kind != "pinned_host"
+      and jax.default_backend() != "cpu"):
+    raise ValueError(f"leaf {index} must be in pinned_host memory, not "
+                     f"{param.sharding.memory_kind}")

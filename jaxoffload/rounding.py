@@ -24,7 +24,8 @@ HASH_MULTIPLIERS = (0x7FEB352D, 0x846CA68B)
 GOLDEN = 0x9E3779B9
 
 
-def _hash(bits: jax.Array) -> jax.Array:
+def hash_bits(bits: jax.Array) -> jax.Array:
+  """The lowbias32 hash of each uint32: well-spread bits for stochastic rounding."""
   bits = bits ^ (bits >> 16)
   bits = bits * jnp.uint32(HASH_MULTIPLIERS[0])
   bits = bits ^ (bits >> 15)
@@ -52,7 +53,7 @@ def stochastic_round(x: jax.Array, salt: Any, dtype: Any = jnp.bfloat16) -> jax.
     return x.astype(dtype)
   bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
   salt = jnp.asarray(salt).astype(jnp.uint32) * jnp.uint32(GOLDEN)
-  noise = _hash(bits ^ salt) & jnp.uint32(0xFFFF)
+  noise = hash_bits(bits ^ salt) & jnp.uint32(0xFFFF)
   # bfloat16 keeps float32's upper 16 bits: adding noise below them carries into
   # them with probability (the cut-off bits) / 2**16, then the cut is exact.
   rounded = (bits + noise) & jnp.uint32(0xFFFF0000)

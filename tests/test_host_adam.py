@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 
-from jaxoffload import host_adam, rounding
+from jaxoffload import blockwise, host_adam, host_kernels, rounding
 
 HYPER = dict(b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
 SCHEDULE = [3e-3, 2e-3, 1e-3, 1e-3, 5e-4]
@@ -113,28 +113,126 @@ def test_scaled_gradients_update_as_the_scaled_gradients_do(problem):
   np.testing.assert_array_equal(moments[2], moments[0])
 
 
-def test_bfloat16_gradients_in_and_a_rounded_copy_out(problem):
+def test_bfloat16_gradients_update_as_their_float32_values(problem):
   param, grads = problem
-  # Values at rounding ties and specials, where a wrong rounding would show.
-  param[0, :6] = [1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, -0.0, np.inf, np.nan, 3.0e38]
   grad_bf16 = grads[0].astype(ml_dtypes.bfloat16)
   want, moments = param.copy(), [np.zeros_like(param) for _ in range(4)]
   host_adam.adamw_update(want, grad_bf16.astype(np.float32), moments[0], moments[1],
-                         learning_rate=0.0, count=1, weight_decay=0.0)
-  got, copy = param.copy(), np.empty(param.shape, ml_dtypes.bfloat16)
-  host_adam.adamw_update(got, grad_bf16, moments[2], moments[3], learning_rate=0.0, count=1,
-                         weight_decay=0.0, copy=copy)
+                         learning_rate=1e-2, count=1, **HYPER)
+  got = param.copy()
+  host_adam.adamw_update(got, grad_bf16, moments[2], moments[3], learning_rate=1e-2, count=1,
+                         **HYPER)
   np.testing.assert_array_equal(got, want)
   np.testing.assert_array_equal(moments[2], moments[0])
-  # A zero learning rate keeps the ties; the copy rounds the new weights as XLA does.
-  # NaN encodings differ between XLA's backends (the GPU's drops the sign).
-  xla = np.asarray(jax.jit(lambda w: w.astype(jnp.bfloat16))(got))
-  assert np.array_equal(np.isnan(copy), np.isnan(xla)) and np.isnan(copy).any()
-  numbers = ~np.isnan(xla)
-  np.testing.assert_array_equal(copy.view(np.uint16)[numbers], xla.view(np.uint16)[numbers])
-  with pytest.raises(ValueError, match="copy must be bfloat16, got float16"):
-    host_adam.adamw_update(got, grads[0], moments[2], moments[3], learning_rate=0.0, count=1,
-                           copy=np.empty(param.shape, np.float16))
+
+
+def test_split_weights_are_the_float32_master_exactly(problem):
+  param, grads = problem
+  # Ties, specials and the largest float: where a wrong split would show.
+  param[0, :7] = [1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, -0.0, np.inf, np.nan, 3.0e38, -2.5e-3]
+  high, remainder = host_kernels.split(param)
+  np.testing.assert_array_equal(host_kernels.join(high, remainder).view(np.uint32)[1:],
+                                param.view(np.uint32)[1:])
+  # The bfloat16 half is the master rounded to nearest, ties away from zero.
+  assert high.view(ml_dtypes.bfloat16)[0, :2].astype(np.float32).tolist() == [
+      1.0 + 2.0**-7, 1.0 + 2.0**-6]
+  assert np.isnan(high.view(ml_dtypes.bfloat16)[0, 4])
+  untied = np.abs(param.view(np.uint32).astype(np.int64) & 0xFFFF) != 0x8000
+  numbers = untied & np.isfinite(param)
+  np.testing.assert_array_equal(high[numbers], param.astype(ml_dtypes.bfloat16).view(np.uint16)[numbers])
+
+  whole, moments = param.copy(), [np.zeros_like(param) for _ in range(4)]
+  weights = high.view(ml_dtypes.bfloat16)
+  for count, grad in enumerate(grads[:3], start=1):
+    host_adam.adamw_update(whole, grad, moments[0], moments[1], learning_rate=1e-2,
+                           count=count, **HYPER)
+    host_adam.adamw_update(weights, grad, moments[2], moments[3], learning_rate=1e-2,
+                           count=count, remainder=remainder, **HYPER)
+  finite = np.isfinite(whole)
+  np.testing.assert_array_equal(host_kernels.join(weights, remainder)[finite], whole[finite])
+  np.testing.assert_array_equal(weights, host_kernels.split(whole)[0].view(ml_dtypes.bfloat16))
+  with pytest.raises(ValueError, match="a remainder completes bfloat16 weights; param is float32"):
+    host_adam.adamw_update(whole, grads[0], moments[0], moments[1], learning_rate=1e-2,
+                           count=4, remainder=remainder)
+
+
+def test_bfloat16_weights_round_each_update_stochastically_as_the_device_does(problem):
+  param, grads = problem
+  weights = param.astype(ml_dtypes.bfloat16)
+  settings = dict(learning_rate=1e-2, count=3, **HYPER)
+  unrounded, moments = weights.astype(np.float32), [np.zeros_like(param) for _ in range(4)]
+  host_adam.adamw_update(unrounded, grads[0], moments[0], moments[1], **settings)
+  host_adam.adamw_update(weights, grads[0], moments[2], moments[3], **settings)
+  device = np.asarray(rounding.stochastic_round(jnp.asarray(unrounded), 3))
+  np.testing.assert_array_equal(weights.view(np.uint16), device.view(np.uint16))
+  with pytest.raises(ValueError, match="bfloat16 weights without their remainder cannot be "
+                                       "taken back"):
+    host_adam.adamw_undo(weights, grads[0], moments[2], moments[3], **settings)
+
+
+@pytest.mark.parametrize("moments", ["int8", "mu int8", "nu int8"])
+def test_eight_bit_moments_are_the_float32_ones_encoded_as_jax_encodes_them(problem, moments):
+  param, grads = problem
+  coded = {"mu": "mu" in moments or moments == "int8", "nu": "nu" in moments or moments == "int8"}
+  rng = np.random.default_rng(3)
+  history = {"mu": 0.1 * rng.standard_normal(param.shape), "nu": rng.random(param.shape)}
+  stored = {}
+  for name, signed in (("mu", True), ("nu", False)):
+    if coded[name]:
+      stored[name] = host_adam.CodedMoment.zeros(param.shape, signed=signed)
+      stored[name].assign(history[name])
+      history[name] = stored[name].decode()  # The values the kernel starts from.
+    else:
+      stored[name] = history[name].astype(np.float32)
+  settings = dict(learning_rate=1e-2, count=5, **HYPER)
+  want = [param.copy(), history["mu"].astype(np.float32), history["nu"].astype(np.float32)]
+  host_adam.adamw_update(*want[:1], grads[0], *want[1:], **settings)
+  got = param.copy()
+  host_adam.adamw_update(got, grads[0], stored["mu"], stored["nu"], **settings)
+  # The update reads the new moments before they are encoded ...
+  np.testing.assert_array_equal(got, want[0])
+  # ... which are stored as jaxoffload.blockwise encodes them.
+  for name, signed, unrounded in (("mu", True, want[1]), ("nu", False, want[2])):
+    if not coded[name]:
+      np.testing.assert_array_equal(stored[name], unrounded)
+      continue
+    codes, scales = blockwise.encode(jnp.asarray(unrounded), signed=signed)
+    np.testing.assert_array_equal(stored[name].codes, np.asarray(codes))
+    np.testing.assert_array_equal(stored[name].scales, np.asarray(scales))
+    assert stored[name].scales.shape == (64, 1)  # A row of 33 elements: one block.
+
+
+def test_eight_bit_moments_train_close_to_float64_adam():
+  rng = np.random.default_rng(4)
+  param = rng.standard_normal((8, 1000)).astype(np.float32)  # Rows of four blocks, one short.
+  grads = [rng.standard_normal(param.shape).astype(np.float32) * np.float32(1 + 9 * k % 3)
+           for k in range(len(SCHEDULE))]
+  exact = float64_adamw(param, grads)
+  results = {}
+  for kind in ("float32", "bfloat16", "int8"):
+    got = param.copy()
+    if kind == "int8":
+      mu = host_adam.CodedMoment.zeros(param.shape, signed=True)
+      nu = host_adam.CodedMoment.zeros(param.shape, signed=False)
+    else:
+      mu, nu = np.zeros(param.shape, kind), np.zeros(param.shape, kind)
+    for count, (grad, lr) in enumerate(zip(grads, SCHEDULE), start=1):
+      host_adam.adamw_update(got, grad, mu, nu, learning_rate=lr, count=count, **HYPER)
+    results[kind] = np.max(np.abs(got - exact)) / np.max(np.abs(param - exact))
+  # Each error as a share of how far the weights moved.
+  assert results["float32"] < 1e-4
+  assert results["bfloat16"] < 1e-2
+  assert results["int8"] < 3e-2
+
+
+def test_eight_bit_moments_of_a_wrong_kind_are_named(problem):
+  param, grads = problem
+  mu = host_adam.CodedMoment.zeros(param.shape, signed=True)
+  with pytest.raises(ValueError, match="nu must have uint8 codes, got int8"):
+    host_adam.adamw_update(param, grads[0], mu, mu, learning_rate=1e-3, count=1)
+  nu = host_adam.CodedMoment.zeros(param.shape, signed=False)
+  with pytest.raises(ValueError, match="mu must be float32, got 8-bit codes"):
+    host_adam.adamw_undo(param, grads[0], mu, nu, learning_rate=1e-3, count=1)
 
 
 def test_gradients_sum_in_float32_and_their_squares_in_float64(problem):

@@ -1,0 +1,121 @@
+"""8-bit blockwise Adam moments: a code a byte, and one float32 scale per block of 256.
+
+The format of torchao's ``AdamW8bit`` and bitsandbytes' 8-bit blockwise Adam
+in outline (their quantization map differs): a moment is cut into blocks of
+``BLOCK`` consecutive elements along each row (a leaf's rows are its slices
+along the first axis, one row for a leaf of fewer than two axes; a layer of a
+stack is one row), each block stores its largest magnitude as a float32 scale,
+and each element a byte that indexes a level between 0 and that scale:
+
+- the first moment, signed: an int8 code ``c`` in [-127, 127], the value
+  ``sign(c) * (c / 127)**2 * scale``;
+- the second moment, never negative: a uint8 code ``c`` in [0, 255], the value
+  ``(c / 255)**4 * scale``.
+
+The levels crowd near zero (square and fourth-power companding), where a
+block's small elements lie; an element takes the code nearest its companded
+magnitude (``c = round(127 * sqrt(|m| / scale))``, ``round(255 * (v /
+scale)**0.25)``). A slow decay is not lost to rounding: the scale, the block's
+largest magnitude, decays with the block. A moment takes 1 byte and 4 / 256
+bytes of scale an element. ``jaxoffload.host_kernels`` encodes and decodes
+the same codes bit for bit.
+
+Example:
+  >>> codes, scales = encode(mu, signed=True)
+  >>> mu = decode(codes, scales, signed=True)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+BLOCK = 256
+# A code's level, as a fraction of its block's scale, is code**2 times the first, or
+# code**4 times the second, in float32 (``level``).
+SIGNED_STEP = np.float32(1 / 127**2)
+UNSIGNED_STEP = np.float32(1 / 255**4)
+# The dtype that names this format where a moment's dtype is asked for.
+DTYPE = jnp.dtype(jnp.int8)
+
+
+def is_blockwise(dtype: Any) -> bool:
+  """Whether a moment dtype names this format (``int8``)."""
+  return dtype is not None and jnp.dtype(dtype) == DTYPE
+
+
+def code_dtype(signed: bool) -> np.dtype:
+  """The codes' dtype: int8 for the first moment, uint8 for the second."""
+  return np.dtype(np.int8 if signed else np.uint8)
+
+
+def rows(shape: tuple[int, ...]) -> tuple[int, int]:
+  """``(rows, elements a row)`` of a moment of ``shape``."""
+  if len(shape) < 2:
+    return 1, math.prod(shape)
+  return shape[0], math.prod(shape[1:])
+
+
+def scales_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+  """The shape of a moment's scales: a row of blocks per row of the moment."""
+  count, length = rows(shape)
+  return count, -(-length // BLOCK)
+
+
+def bytes_per_element(shape: tuple[int, ...]) -> float:
+  """What a moment of ``shape`` holds an element: its code and its share of the scales."""
+  return 1 + 4 * math.prod(scales_shape(shape)) / max(math.prod(shape), 1)
+
+
+def _blocks(x: jax.Array) -> jax.Array:
+  """``x`` as ``(rows, blocks, BLOCK)``, each row's last block padded with zeros."""
+  count, length = rows(x.shape)
+  blocks = -(-length // BLOCK)
+  flat = x.reshape(count, length)
+  return jnp.pad(flat, ((0, 0), (0, blocks * BLOCK - length))).reshape(count, blocks, BLOCK)
+
+
+def _unblocks(blocks: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  count, length = rows(shape)
+  return blocks.reshape(count, -1)[:, :length].reshape(shape)
+
+
+def level(codes: jax.Array, *, signed: bool) -> jax.Array:
+  """The level of each code's magnitude, a fraction of its block's scale."""
+  codes = codes.astype(jnp.float32)
+  square = codes * codes
+  return square * SIGNED_STEP if signed else (square * square) * UNSIGNED_STEP
+
+
+def encode(x: jax.Array, *, signed: bool) -> tuple[jax.Array, jax.Array]:
+  """``x``'s codes (``x``'s shape) and scales (``scales_shape``).
+
+  Args:
+    x: the moment, float32 (never negative unless ``signed``).
+    signed: the first moment's format; else the second's.
+  """
+  x = x.astype(jnp.float32)
+  blocks = _blocks(x)
+  scales = jnp.max(jnp.abs(blocks), axis=-1)
+  inverse = jnp.where(scales > 0, 1 / jnp.where(scales > 0, scales, 1), 0).astype(jnp.float32)
+  root = jnp.sqrt(jnp.abs(blocks) * inverse[..., None])
+  if not signed:
+    root = jnp.sqrt(root)
+  top = jnp.float32(127 if signed else 255)
+  codes = jnp.minimum(jnp.floor(root * top + jnp.float32(0.5)), top)
+  if signed:
+    codes = jnp.where(blocks < 0, -codes, codes)
+  return _unblocks(codes.astype(jnp.int32).astype(code_dtype(signed)), x.shape), scales
+
+
+def decode(codes: jax.Array, scales: jax.Array, *, signed: bool) -> jax.Array:
+  """The float32 moment that ``codes`` and ``scales`` (``encode``'s) store."""
+  blocks = _blocks(codes.astype(jnp.int32))
+  values = level(blocks, signed=signed) * scales[..., None]
+  if signed:
+    values = jnp.where(blocks < 0, -values, values)
+  return _unblocks(values, codes.shape)

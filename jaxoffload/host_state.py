@@ -1,0 +1,147 @@
+"""The host kernel's state, shard by shard: the weights a device reads, their masters, Adam's moments.
+
+``HostAdamW`` keeps it here. Per leaf, its weights live in ``pinned_host``
+(where the device step reads them) as float32, as the bfloat16 half of a
+float32 master whose other 16 bits (the remainder) live beside the moments in
+host memory only the host reads, or as bfloat16 weights that are their own
+master. The moments are float32, bfloat16 or 8-bit blocks
+(``host_adam.CodedMoment``). ``update_arrays`` hands the kernel one piece's
+arrays of a shard; ``masters`` and ``moments`` give float32 copies for
+checkpoints, and ``load_moments`` takes them back in any of those dtypes.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Iterable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxoffload import blockwise, host_adam, host_arrays, host_kernels
+from jaxoffload._compat import DEVICE_KIND, PINNED_HOST, to_device, to_host
+
+MOMENT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), blockwise.DTYPE)
+
+
+class HostState:
+  """Per leaf and shard, the arrays ``host_adam.adamw_update`` updates in place.
+
+  Args:
+    weights: per leaf, float32 (a master) or bfloat16 (its own master) arrays in host
+      memory, which this state takes over (no one else may hold them).
+    device_dtypes: per leaf, the dtype the device reads its weights in; bfloat16 of a
+      float32 master splits it (the device reads the bfloat16 half).
+    mu_dtype, nu_dtype: the moments' dtypes (``MOMENT_DTYPES``; int8: 8-bit blocks).
+  """
+
+  def __init__(self, weights: Sequence[jax.Array], device_dtypes: Sequence[Any],
+               mu_dtype: Any, nu_dtype: Any):
+    self.device_dtypes = [jnp.dtype(d) for d in device_dtypes]
+    self.mu_dtype, self.nu_dtype = jnp.dtype(mu_dtype), jnp.dtype(nu_dtype)
+    self.place(weights)
+    # Only the host reads the moments: plain host memory, outside XLA's pinned pool.
+    self.mu = [[_zeros(v.shape, self.mu_dtype, signed=True) for v in views]
+               for views in self.views]
+    self.nu = [[_zeros(v.shape, self.nu_dtype, signed=False) for v in views]
+               for views in self.views]
+
+  def place(self, weights: Sequence[jax.Array]) -> None:
+    """Takes ``weights`` (float32 masters, or bfloat16 weights) as the state's weights."""
+    self.params, self.remainders = [], []
+    for w, dtype in zip(weights, self.device_dtypes):
+      if len({shard.data.unsafe_buffer_pointer() for shard in w.addressable_shards}) < len(
+          w.addressable_shards):
+        # Replicas sharing one buffer (jax.device_put of numpy on the CPU backend): the
+        # kernel would update it once per shard.
+        w = host_arrays.copy(w)
+      remainders = None
+      if w.dtype == jnp.float32 and dtype == jnp.bfloat16:
+        w, remainders = _split(w)
+      self.params.append(w)
+      self.remainders.append(remainders)
+    jax.block_until_ready(self.params)
+    self.views = [host_arrays.shard_views(w) for w in self.params]
+
+  def update_arrays(self, leaf: int, layer: Optional[int], shard: int) -> tuple:
+    """``(param, remainder, mu, nu)`` of a leaf's shard, cut to ``layer`` (None: whole)."""
+    part = (lambda x: x) if layer is None else (lambda x: None if x is None else x[layer])
+    remainders = self.remainders[leaf]
+    return (part(self.views[leaf][shard]), part(None if remainders is None else remainders[shard]),
+            part(self.mu[leaf][shard]), part(self.nu[leaf][shard]))
+
+  def masters(self, leaf: int) -> list[np.ndarray]:
+    """Float32 copies of a leaf's masters, shard by shard."""
+    remainders = self.remainders[leaf]
+    return [host_kernels.join(view, remainders[shard]) if remainders is not None
+            else view.astype(np.float32) for shard, view in enumerate(self.views[leaf])]
+
+  def moments(self, name: str, leaf: int) -> list[np.ndarray]:
+    """Float32 copies of a leaf's ``mu`` or ``nu``, shard by shard."""
+    return [m.decode() if isinstance(m, host_adam.CodedMoment) else m.astype(np.float32)
+            for m in getattr(self, name)[leaf]]
+
+  def load_moments(self, mu: Iterable, nu: Iterable) -> None:
+    """Takes whole float32 moments (JAX or numpy arrays, a leaf at a time) into this state's
+    shards and dtypes (bfloat16 rounded to nearest; 8-bit codes rounded stochastically)."""
+    for saved, moments in ((mu, self.mu), (nu, self.nu)):
+      for values, shards, like in zip(saved, moments, self.params):
+        for shard, part in zip(shards, host_arrays.shard_values(values, like)):
+          if isinstance(shard, host_adam.CodedMoment):
+            shard.assign(part)
+          else:
+            shard[...] = part
+
+  @property
+  def split(self) -> list[bool]:
+    """Per leaf, whether its float32 master is split (``device_dtypes`` bfloat16)."""
+    return [r is not None for r in self.remainders]
+
+  @property
+  def float32_masters(self) -> bool:
+    """Whether every leaf's master is float32 (whole or split): an update can be undone."""
+    return all(p.dtype == jnp.float32 or r is not None
+               for p, r in zip(self.params, self.remainders))
+
+  @property
+  def pinned_bytes(self) -> int:
+    """Pinned host memory of the weights the device reads, every shard's."""
+    return sum(shard.data.nbytes for a in self.params for shard in a.addressable_shards)
+
+  @property
+  def remainder_bytes(self) -> int:
+    return sum(r.nbytes for leaf in self.remainders if leaf is not None for r in leaf)
+
+  @property
+  def moment_bytes(self) -> int:
+    """Host memory of the Adam moments, every shard's."""
+    return sum(m.nbytes for moments in (self.mu, self.nu) for leaf in moments for m in leaf)
+
+
+def _split(master: jax.Array) -> tuple[jax.Array, list[np.ndarray]]:
+  """A float32 master's bfloat16 half in ``pinned_host`` and its remainders in numpy, shard by
+  shard: split where it lies (pass it in device memory, and it never enters the pinned pool
+  whole)."""
+  sharding = master.sharding.with_memory_kind(PINNED_HOST)
+  high, low = _splitter(sharding)(master)
+  return high, [np.array(shard.data) for shard in host_arrays.sorted_shards(low)]
+
+
+@functools.cache
+def _splitter(sharding: jax.sharding.Sharding):
+  def split(master):
+    bits = jax.lax.bitcast_convert_type(to_device(master), jnp.uint32)
+    high = ((bits >> 16) + ((bits >> 15) & 1)).astype(jnp.uint16)
+    quiet_nan = ((bits >> 16) & 0x8000 | 0x7FC0).astype(jnp.uint16)
+    high = jnp.where(jnp.isnan(to_device(master)), quiet_nan, high)
+    return (to_host(jax.lax.bitcast_convert_type(high, jnp.bfloat16)),
+            (bits & 0xFFFF).astype(jnp.uint16))
+
+  return jax.jit(split, out_shardings=(sharding, sharding.with_memory_kind(DEVICE_KIND)))
+
+
+def _zeros(shape: tuple[int, ...], dtype: jnp.dtype, *, signed: bool) -> host_adam.Moment:
+  if blockwise.is_blockwise(dtype):
+    return host_adam.CodedMoment.zeros(shape, signed=signed)
+  return np.zeros(shape, dtype)
