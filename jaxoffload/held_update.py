@@ -23,6 +23,7 @@ import threading
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import jax
+import numpy as np
 
 from jaxoffload import host_arrays
 
@@ -78,8 +79,11 @@ class HeldUpdate:
       # how many of those are known ready, and those ready but not applied, by rank.
       self._arrivals, self._seen, self._ready = list(self._grads), 0, []
       self._known = set(self._grads)  # The pieces given so far.
+      # Bytes of the gradients given and not yet applied (and let go).
+      self._pending = sum(_nbytes(g) for g in self._grads.values())
       self._given = threading.Condition()
       self._error: Optional[BaseException] = None
+      self._finished = False  # The thread has returned.
       executor.submit(self._apply_in_order)
 
   def add(self, grads: Mapping[Piece, jax.Array],
@@ -104,7 +108,8 @@ class HeldUpdate:
       self._grads.update(grads)
       self._arrivals.extend(grads)
       self._known.update(grads)
-      self._given.notify()
+      self._pending += sum(_nbytes(g) for g in grads.values())
+      self._given.notify_all()
 
   @property
   def applied_by_thread(self) -> bool:
@@ -121,7 +126,19 @@ class HeldUpdate:
     ``apply`` waits for them (the update stays unfinished)."""
     with self._given:
       self._error = error
-      self._given.notify()
+      self._given.notify_all()
+
+  def wait_for_room(self, limit: int) -> None:
+    """Waits until the gradients given and not yet applied hold at most ``limit`` bytes: the
+    device then sends no more than that ahead of the thread. Returns at once where the
+    thread holds them longer (no scale yet: the update waits for it, or applies ahead of
+    it and keeps them to take back), or has stopped."""
+    if self._applied is None:
+      return
+    with self._given:
+      while (self._pending > limit and self._scale is not None and self._error is None
+             and not self._finished):
+        self._given.wait()
 
   def apply(self, pieces: Optional[Iterable[Piece]] = None) -> bool:
     """Applies ``pieces`` (None: all not yet applied), or waits for the thread to have;
@@ -170,12 +187,17 @@ class HeldUpdate:
           self._take_back(piece, grad, 1.0)
         self._apply_piece(piece, grad, self.scale_read)
         self._applied[piece].set_result(None)
+        self._let_go(grad)
       if self.scale_read is None:
         self._settle(ahead)
     except BaseException as error:  # Raised where apply waits for these pieces.
       for done in self._applied.values():
         if not done.done():
           done.set_exception(error)
+    finally:
+      with self._given:
+        self._finished = True
+        self._given.notify_all()
 
   def _scale_ready(self) -> bool:
     """Whether the scale has been given and computed."""
@@ -201,7 +223,14 @@ class HeldUpdate:
         self._take_back(piece, grad, 1.0)
         self._apply_piece(piece, grad, self.scale_read)
       self._applied[piece].set_result(None)
+      self._let_go(grad)
     ahead.clear()
+
+  def _let_go(self, grad: Any) -> None:
+    """Counts an applied piece's gradient out of those pending."""
+    with self._given:
+      self._pending -= _nbytes(grad)
+      self._given.notify_all()
 
   def _next_ready(self) -> Piece:
     """The first piece of ``order`` among those whose gradients are ready, waiting for one."""
@@ -223,3 +252,10 @@ class HeldUpdate:
             break
           self._given.wait()
       jax.block_until_ready(pending)  # The next to come; not holding the lock meanwhile.
+
+
+def _nbytes(grad: Any) -> int:
+  """A piece's gradient's bytes in this process's memory: a host array's shards, or a sum's."""
+  return sum(x.nbytes if isinstance(x, np.ndarray) else
+             sum(shard.data.nbytes for shard in x.addressable_shards)
+             for x in jax.tree.leaves(grad))

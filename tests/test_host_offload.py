@@ -69,7 +69,7 @@ def host_run(weights, batches, *, shardings=None, device_dtypes=None, **options)
     host.update(grads, scale)
   host.finish()
   assert host.count == len(batches)
-  assert {w.sharding.memory_kind for w in host.params + host.weights} == {"pinned_host"}
+  assert {w.sharding.memory_kind for w in host.params} == {"pinned_host"}
   assert [w.dtype for w in host.params] == (device_dtypes or [jnp.float32] * len(weights))
   return host.snapshot()
 
@@ -244,10 +244,28 @@ def test_bfloat16_moments_round_as_the_device_optimizer_rounds_them():
   float32 = optax_reference(weights, batches)
   assert 1e-5 < max_rel_diff(host_run(weights, batches, **compact), float32) <= 1e-3
   host = HostAdamW([to_host(w) for w in weights], learning_rate=1e-3, **compact)
-  with pytest.raises(ValueError, match="bfloat16 moments cannot be taken back exactly"):
+  with pytest.raises(ValueError, match="stochastic roundings cannot be taken back exactly"):
     host.hold({}, None, order=[(0, None), (1, None)], speculative=True)
-  with pytest.raises(ValueError, match="nu_dtype must be float32 or bfloat16, got float16"):
+  with pytest.raises(ValueError, match=r"nu_dtype must be one of \['float32', 'bfloat16', "
+                                       r"'int8'\], got float16"):
     HostAdamW([to_host(w) for w in weights], learning_rate=1e-3, nu_dtype=jnp.float16)
+
+
+@pytest.mark.parametrize("compact, bound", [
+    (dict(mu_dtype=jnp.int8, nu_dtype=jnp.int8), 3e-3),
+    (dict(bfloat16_weights=True), 3e-2),
+    (dict(bfloat16_weights=True, mu_dtype=jnp.int8, nu_dtype=jnp.int8), 3e-2)],
+    ids=["8-bit moments", "bfloat16 weights", "both"])
+def test_compact_state_trains_close_to_optax(compact, bound):
+  weights, batches = problem()
+  if compact.pop("bfloat16_weights", False):
+    weights = [w.astype(jnp.bfloat16) for w in weights]
+    compact["device_dtypes"] = [jnp.bfloat16] * len(weights)
+  float32 = optax_reference([w.astype(jnp.float32) for w in weights], batches)
+  got = host_run(weights, batches, **compact)
+  assert 1e-5 < max_rel_diff(got, float32) <= bound
+  host = HostAdamW([to_host(w) for w in weights], learning_rate=1e-3, **compact)
+  assert not host.can_take_back
 
 
 def test_other_device_dtypes_are_refused():
@@ -267,17 +285,26 @@ def test_sharded_and_replicated_weights_update_shard_by_shard():
   assert max_rel_diff(got, optax_reference(weights, batches)) <= 1e-6
 
 
-def test_non_float32_weights_are_refused():
-  with pytest.raises(ValueError, match="HostAdamW keeps float32 weights; leaf 0 is bfloat16"):
-    HostAdamW([jnp.zeros(4, jnp.bfloat16)], learning_rate=1e-3)
+def test_weights_of_other_dtypes_are_refused():
+  with pytest.raises(ValueError, match="HostAdamW keeps float32 or bfloat16 weights; leaf 0 is "
+                                       "float16"):
+    HostAdamW([to_host(jnp.zeros(4, jnp.float16))], learning_rate=1e-3)
+  with pytest.raises(ValueError, match="leaf 0: bfloat16 weights are read in bfloat16, not "
+                                       "float32"):
+    HostAdamW([to_host(jnp.zeros(4, jnp.bfloat16))], learning_rate=1e-3,
+              device_dtypes=[jnp.float32])
 
 
 @pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (the CPU backend has 8 in CI)")
-@pytest.mark.parametrize("device_dtypes, moment_dtype", [
-    (None, jnp.float32), ([jnp.bfloat16, jnp.float32], jnp.float32), (None, jnp.bfloat16)],
-    ids=["float32", "bfloat16", "bfloat16-moments"])
-def test_a_loaded_checkpoint_continues_exactly(device_dtypes, moment_dtype):
+@pytest.mark.parametrize("device_dtypes, moment_dtype, weight_dtype", [
+    (None, jnp.float32, jnp.float32), ([jnp.bfloat16, jnp.float32], jnp.float32, jnp.float32),
+    (None, jnp.bfloat16, jnp.float32), ([jnp.bfloat16, jnp.float32], jnp.int8, jnp.float32),
+    ([jnp.bfloat16] * 2, jnp.int8, jnp.bfloat16)],
+    ids=["float32", "split-master", "bfloat16-moments", "8-bit-moments", "bfloat16-weights"])
+def test_a_loaded_checkpoint_continues_exactly(device_dtypes, moment_dtype, weight_dtype):
+  # Each format, sharded over four devices, saved as float32 and read back into itself.
   weights, batches = problem()
+  weights = [w.astype(weight_dtype) for w in weights]
   mesh = jax.make_mesh((4,), ("x",), devices=jax.devices()[:4])
   pinned = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x", None),
                                       memory_kind="pinned_host")
@@ -367,3 +394,24 @@ def test_host_array_copies_compile_once_per_dtype_and_shape():
     assert host_arrays.copy(x, jnp.bfloat16).dtype == jnp.bfloat16
   for dtype in (None, jnp.dtype(jnp.bfloat16)):
     assert host_arrays._copier(dtype, x.sharding)._cache_size() == 1
+
+
+def test_the_device_waits_for_room_before_it_sends_more_gradients():
+  import concurrent.futures
+  from jaxoffload.held_update import HeldUpdate
+  grads = {(i, None): to_host(jnp.full(256, float(i))) for i in range(4)}
+  applied = []
+  executor = concurrent.futures.ThreadPoolExecutor(1)
+  held = HeldUpdate({}, lambda piece, grad, scale: applied.append(piece), 1.0,
+                    order=list(grads), executor=executor)
+  for piece, grad in grads.items():
+    held.wait_for_room(0)  # No gradient pending: those given before are applied.
+    assert applied == list(grads)[:piece[0]]
+    held.add({piece: grad})
+  assert held.apply() and applied == list(grads)
+  # Without its scale the update cannot apply them (clipped, not speculating): no waiting.
+  held = HeldUpdate({}, lambda *_: None, None, order=[(0, None)], executor=executor)
+  held.add(dict([next(iter(grads.items()))]))
+  held.wait_for_room(0)
+  held.add({}, 1.0)
+  assert held.apply()

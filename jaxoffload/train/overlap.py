@@ -24,6 +24,10 @@ and each backward program adds its gradients into the device's sums
 (``grads.add_to_sum``, as the one-program step does); the last micro-batch's
 backward programs send the sums' mean, so the host's update starts during the
 last backward pass.
+
+Where the update starts without the clipping factor (unclipped), the device sends
+no more than ``GRADIENT_BYTES_AHEAD`` of the host's gradients ahead of it: the
+host never holds a whole step's.
 """
 
 from __future__ import annotations
@@ -39,6 +43,12 @@ from jaxoffload import layered
 from jaxoffload.host_offload import HostAdamW
 from jaxoffload.train.pieces import PiecePrograms
 from jaxoffload.train.programs import StepPrograms
+
+
+# How many bytes of the host kernel's gradients the backward pass may send ahead of its
+# update, where the update needs no clipping factor to start: enough to keep the kernel
+# busy, little beside its state (``train.host_memory.needed`` counts it).
+GRADIENT_BYTES_AHEAD = 2**30
 
 
 class _Step(NamedTuple):
@@ -222,6 +232,10 @@ class OverlappedStep:
     stage, adds, sums = self._stage(micro), not last, this.sums
     while saved:  # Each layer's activations (and, the last time, weights) go as it ends.
       name, index, x, kept = saved.pop()
+      if last and this.host is not None:
+        # No more of the host's gradients ahead of its update than this: the device waits
+        # rather than fill host memory with a whole step's.
+        this.host.wait_for_room(GRADIENT_BYTES_AHEAD)
       dx, grads = this.run(f"backward {name} {stage}", self.piece.backward[adds], (name, last),
                            *self._weights(this, name, index, release=last), np.int32(index),
                            x, kept, dx, sums.pop((name, index), None), this.step,
