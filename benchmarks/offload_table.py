@@ -9,9 +9,9 @@ and the baseline again (the noise its ratios and losses are read against):
 - ``unclipped``: the host kernel (with bfloat16 transfers for a model that
   computes in bfloat16) and ``optimizer.clip_grad=0``: its update runs from the
   backward pass on;
-- ``unclipped-no-weight-copies``: the same without the host's bfloat16 copies of
-  the weights (``optimizer.offload_weight_copies=False``): the device reads the
-  float32 weights and rounds them itself;
+- ``unclipped-float32-weights``: the same with float32 weights in pinned memory
+  (``optimizer.store_param_remainders=False``): the device reads them and rounds
+  them itself, twice the bytes up;
 - ``clip-never-reached``: the same with ``clip_grad=1e6``: the update is
   speculated from the backward pass on (``optimizer.speculate_cpu_optimizer_step``);
 - ``config-clipping``: the same with the config's ``clip_grad``;
@@ -40,12 +40,12 @@ ON_HOST_KERNEL = "optimizer.optimizer_offload_update_on=host_kernel"
 HOST_KERNEL = [*OFFLOAD, ON_HOST_KERNEL]
 # With the host kernel, for a model that computes in bfloat16.
 HALVED = ["optimizer.offload_transfer_dtype=bfloat16"]
-NO_WEIGHT_COPIES = "unclipped-no-weight-copies"  # Only for a model that computes in bfloat16.
+FLOAT32_WEIGHTS = "unclipped-float32-weights"  # Only for a model that computes in bfloat16.
 # Per column: overrides for its baseline too (clipping), and for its offloaded settings.
 COLUMNS = {
     "unclipped": (["optimizer.clip_grad=0"], HOST_KERNEL),
-    NO_WEIGHT_COPIES: (["optimizer.clip_grad=0"],
-                       [*HOST_KERNEL, "optimizer.offload_weight_copies=False"]),
+    FLOAT32_WEIGHTS: (["optimizer.clip_grad=0"],
+                      [*HOST_KERNEL, "optimizer.store_param_remainders=False"]),
     "clip-never-reached": (["optimizer.clip_grad=1e6"], HOST_KERNEL),
     "config-clipping": ([], HOST_KERNEL),
     "one-program": ([], [*HOST_KERNEL, "optimizer.overlap_cpu_optimizer_d2h_h2d=False"]),
@@ -120,18 +120,18 @@ def main() -> None:
   parser.add_argument("--steps", type=int, default=50)
   parser.add_argument("--fractions", default="0.25,0.5,1.0")
   parser.add_argument("--columns", help=f"comma-separated, of {list(COLUMNS)} (default: "
-                      f"all; {NO_WEIGHT_COPIES!r} only for a model computing in bfloat16)")
+                      f"all; {FLOAT32_WEIGHTS!r} only for a model computing in bfloat16)")
   parser.add_argument("--out", default="offload_table", help="output path prefix")
   args = parser.parse_args()
   args.fractions = [f.strip() for f in args.fractions.split(",")]
   bfloat16 = load_config(args.config, args.overrides).model.dtype == "bfloat16"
-  applicable = [c for c in COLUMNS if bfloat16 or c != NO_WEIGHT_COPIES]
+  applicable = [c for c in COLUMNS if bfloat16 or c != FLOAT32_WEIGHTS]
   columns = [c.strip() for c in args.columns.split(",")] if args.columns else applicable
   unknown = [c for c in columns if c not in COLUMNS]
   if unknown:
     parser.error(f"unknown columns {unknown}; known: {list(COLUMNS)}")
-  if NO_WEIGHT_COPIES in columns and not bfloat16:
-    parser.error(f"column {NO_WEIGHT_COPIES!r} needs a model that computes in bfloat16 "
+  if FLOAT32_WEIGHTS in columns and not bfloat16:
+    parser.error(f"column {FLOAT32_WEIGHTS!r} needs a model that computes in bfloat16 "
                  "(model.dtype=bfloat16); a float32 model's weights go up in float32 anyway")
   results = [row for column in columns
              for row in rows(column, run_column(args, column, bfloat16), args.fractions)]

@@ -18,8 +18,9 @@ from jaxoffload.model import Llama, group_name
 from jaxoffload.remat import LayerGroup
 
 
-def _boxed_shapes(model: Llama, tokens: jax.Array) -> Any:
-  return jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), tokens)["params"])
+def _boxed_shapes(model: Llama, tokens: Any) -> Any:
+  # tokens as an argument: an array or its shape, which starts no backend.
+  return jax.eval_shape(lambda t: model.init(jax.random.PRNGKey(0), t)["params"], tokens)
 
 
 def logical_param_specs(model: Llama, tokens: jax.Array) -> Any:

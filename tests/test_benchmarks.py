@@ -42,7 +42,7 @@ def test_every_benchmark_has_help(script, capsys, monkeypatch):
     (["benchmarks/offload_table.py", "--steps", "1", "--fractions", "0.5", "--columns",
       "unclipped"], "step_ratio"),
     (["benchmarks/offload_table.py", "--steps", "1", "--fractions", "0.5", "--columns",
-      "unclipped-no-weight-copies", "model.dtype=bfloat16"], "step_ratio"),
+      "unclipped-float32-weights", "model.dtype=bfloat16"], "step_ratio"),
     (["benchmarks/host_memory_share.py", "--host", "0.1", "--stream", "0.1", "--layers", "2",
       "--matmul", "64", "--repeats", "1"], "parts"),
     # The calibration that exploring needs has a test of its own (test_plan).
@@ -81,10 +81,10 @@ def test_step_trace_reads_the_trainers_trace(tmp_path):
   assert missing.returncode == 1 and "no trace (*.xplane.pb) under" in missing.stderr
 
 
-def test_the_offload_table_refuses_weight_copies_off_for_a_float32_model(tmp_path):
-  done = run("benchmarks/offload_table.py", "--columns", "unclipped-no-weight-copies",
+def test_the_offload_table_refuses_float32_weights_for_a_float32_model(tmp_path):
+  done = run("benchmarks/offload_table.py", "--columns", "unclipped-float32-weights",
              "--out", str(tmp_path / "out"))
   assert done.returncode == 2
   assert done.stderr.strip().splitlines()[-1].endswith(
-      "error: column 'unclipped-no-weight-copies' needs a model that computes in bfloat16 "
+      "error: column 'unclipped-float32-weights' needs a model that computes in bfloat16 "
       "(model.dtype=bfloat16); a float32 model's weights go up in float32 anyway")

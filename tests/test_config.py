@@ -189,18 +189,23 @@ def test_every_shipped_config_trains_at_a_tiny_width(path):
      "optimizer.offload_transfer_dtype=bfloat16 needs optimizer.optimizer_offload_update_on="
      "host_kernel (or auto), got 'device'"),
     (["optimizer.offload_weight_copies=False"],
-     "optimizer.offload_weight_copies=False drops the bfloat16 weight copies of "
-     "optimizer.offload_transfer_dtype=bfloat16; with float32 transfers there are none"),
+     "optimizer.offload_weight_copies was removed: the host kernel keeps no bfloat16 copies of "
+     "float32 weights: with bfloat16 transfers it keeps each master as the bfloat16 weight the "
+     "device reads plus its 16-bit remainder (optimizer.store_param_remainders"),
     (["optimizer.optimizer_offload_update_on=fastest"],
      "optimizer.optimizer_offload_update_on must be one of ['host', 'device', 'host_kernel', "
      "'auto'], got 'fastest'"),
     (["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_update_on=host_kernel",
       "optimizer.offload_transfer_dtype=bfloat16"],
      "model.dtype is 'float32', so none would be"),
-    (["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_update_on=host_kernel",
-      "model.params_dtype=bfloat16"], "model.params_dtype must be float32, got 'bfloat16'"),
     (["optimizer.exp_avg_sq_dtype=float16"],
-     "optimizer.exp_avg_sq_dtype must be one of [None, 'float32', 'bfloat16'], got 'float16'"),
+     "optimizer.exp_avg_sq_dtype must be one of [None, 'float32', 'bfloat16', 'int8'], got "
+     "'float16'"),
+    (["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5",
+      "optimizer.optimizer_offload_update_on=host_kernel", "optimizer.exp_avg_dtype=int8"],
+     "optimizer.exp_avg_dtype=int8 (8-bit blocks) is kept by the host kernel alone: it needs "
+     "optimizer.optimizer_cpu_offload=True, optimizer.optimizer_offload_fraction=1.0 and "
+     "optimizer.optimizer_offload_update_on=host_kernel"),
 ])
 def test_host_kernel_settings_are_checked(overrides, message):
   with pytest.raises(ConfigError, match=re.escape(message)):

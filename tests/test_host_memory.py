@@ -1,5 +1,6 @@
 """The host-memory guard: its arithmetic against what the trainer allocates, and its refusal."""
 
+import os
 import subprocess
 import sys
 
@@ -59,15 +60,18 @@ def test_the_arithmetic_counts_every_shard_the_trainer_places_in_host_memory():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("micro_batches, moments, copies", [
-    (1, "float32", True), (2, "float32", True), (1, "bfloat16", True), (1, "float32", False)])
-def test_the_host_kernel_arithmetic_is_what_it_allocates(micro_batches, moments, copies):
+@pytest.mark.parametrize("micro_batches, moments, remainders", [
+    (1, "float32", True), (2, "float32", True), (1, "bfloat16", True), (1, "float32", False),
+    (1, "int8", True)])
+def test_the_host_kernel_arithmetic_is_what_it_allocates(micro_batches, moments, remainders):
   setup = resolve(load_config(None, [
-      "optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5",
+      "optimizer.optimizer_cpu_offload=True",
+      f"optimizer.optimizer_offload_fraction={1.0 if moments == 'int8' else 0.5}",
       "optimizer.optimizer_offload_update_on=host_kernel", "model.dtype=bfloat16",
       "optimizer.offload_transfer_dtype=bfloat16", f"train.micro_batch_size={8 // micro_batches}",
       "checkpoint.dir=/nonexistent/run", f"optimizer.exp_avg_dtype={moments}",
-      f"optimizer.exp_avg_sq_dtype={moments}", f"optimizer.offload_weight_copies={copies}"]))
+      f"optimizer.exp_avg_sq_dtype={moments}",
+      f"optimizer.store_param_remainders={remainders}"]))
   trainer = Trainer(setup)
   trainer.step(setup.global_batch(0))
   # A save copies the checkpoint's bytes, the host kernel's float32 weights and moments more.
@@ -82,17 +86,41 @@ def test_the_host_kernel_arithmetic_is_what_it_allocates(micro_batches, moments,
     host_grads = trainer.programs.micro_step(trainer.params, trainer.host_params, trainer.programs.zero_sums(),
                                      tokens, 0, 0)[1]
   need = needed(setup)
+  host = trainer.host
   # The moments, and the float32 sums of the micro-batches' gradients.
-  assert need.held["host kernel moments and sums"] == trainer.host.unpinned_bytes
-  assert trainer.host.moment_bytes == trainer.host.weight_bytes * (2 if moments == "float32" else 1)
-  assert trainer.host.unpinned_bytes == (trainer.host.moment_bytes
-                                         + (micro_batches > 1) * trainer.host.weight_bytes)
-  # The weights, their copies, and one step's gradients, or two micro-batches' in flight.
-  assert need.held["host kernel weights and copies"] == (
-      trainer.host.pinned_bytes + micro_batches * sum(g.nbytes for g in host_grads))
+  sums = (micro_batches > 1) * host.weight_bytes
+  assert need.held["host kernel moments and sums"] == host.moment_bytes + sums
+  assert host.unpinned_bytes == host.moment_bytes + host.state.remainder_bytes + sums
+  per_element = {"float32": 8, "bfloat16": 4, "int8": 2}[moments]
+  assert 0 <= host.moment_bytes - host.weight_bytes * per_element / 4 < 0.05 * host.moment_bytes
+  # A float32 master an element, split or whole, and one step's gradients, or two
+  # micro-batches' in flight.
+  assert need.held["host kernel weights"] == host.weight_bytes
+  assert host.state.remainder_bytes == (host.weight_bytes - host.pinned_bytes if remainders
+                                        else 0)
+  assert need.held["host kernel gradients"] == micro_batches * sum(g.nbytes for g in host_grads)
+  assert need.pinned == host.pinned_bytes + need.held["host kernel gradients"]
   assert need.held["optimizer state"] == 0
   assert need.transient["saving a checkpoint"] == int(
       everything + (HOST_KERNEL_SAVE_COPIES - 1) * host_kernel)
+
+
+def test_an_unclipped_overlapped_update_holds_a_bounded_share_of_its_gradients(monkeypatch):
+  from jaxoffload.train import host_memory
+  options = ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=1.0",
+             "optimizer.optimizer_offload_update_on=host_kernel"]
+  clipped = needed(resolve(load_config(None, options)))
+  monkeypatch.setattr(host_memory, "GRADIENT_BYTES_AHEAD", 0)
+  setup = resolve(load_config(None, options + ["optimizer.clip_grad=0"]))
+  unclipped = needed(setup)
+  # Clipped, every gradient waits for the norm; unclipped, the head's and the embedding's
+  # and one layer's at a time (the 4 layers' stacks hold the rest).
+  whole = sum(x.size * 4 for x in jax.tree.leaves(setup.param_shapes))
+  layers = sum(x.size * 4 for path, x in jax.tree_util.tree_flatten_with_path(
+      setup.param_shapes)[0] if path[0].key.startswith("layers"))
+  assert clipped.held["host kernel gradients"] == whole
+  assert unclipped.held["host kernel gradients"] == whole - layers + layers // 4
+  assert clipped.pinned - unclipped.pinned == layers - layers // 4
 
 
 @pytest.mark.slow
@@ -126,14 +154,15 @@ def test_the_budget_is_the_limit_less_what_the_process_holds_else_the_machines(t
 @pytest.mark.parametrize("settings, lowered_by", [
     ([], "optimizer.exp_avg_sq_dtype=bfloat16$"),
     (["optimizer.optimizer_offload_update_on=host_kernel"],
-     "optimizer.optimizer_offload_update_on=device$"),
+     "optimizer.offload_transfer_dtype=bfloat16$"),
     (["optimizer.optimizer_offload_update_on=host_kernel",
-      "optimizer.offload_transfer_dtype=bfloat16"], "optimizer.offload_weight_copies=False$")])
+      "optimizer.offload_transfer_dtype=bfloat16"],
+     r"optimizer.optimizer_offload_fraction, model.params_dtype=bfloat16 \(bfloat16 masters\)$")])
 def test_a_run_pinning_more_than_xlas_pinned_pool_gives_is_refused(monkeypatch, settings,
                                                                    lowered_by):
   # On a GPU, XLA's pinned pool stops at XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (64 GiB unset):
   # a step that needs more would fail mid-run. The keys named are those that lower what this
-  # run pins: no bfloat16 weight copies to drop with float32 transfers.
+  # run pins, none already at its limit.
   from jaxoffload.train import host_memory
   setup = resolve(load_config(None, OFFLOAD + settings + ["model.dtype=bfloat16"]))
   assert 0 < needed(setup).pinned < 2**30  # So the pool it needs rounds up to 1 GiB.
@@ -206,6 +235,33 @@ def test_a_refusal_names_the_pool_limit_where_the_pinned_pool_is_a_large_part(mo
   setup = resolve(load_config(None, ["train.host_memory_limit=10GB"]))
   advice = host_memory.pool_limit_advice(host_memory.needed(setup))
   assert advice.startswith("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=")
-  with pytest.raises(ConfigError, match="lower it with optimizer.optimizer_offload_fraction"
-                                        ".*; XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB="):
+  with pytest.raises(ConfigError, match="lower it with optimizer.exp_avg_dtype=bfloat16"
+                                        ".*, XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB="):
     host_memory.check(setup)
+
+
+def test_the_trainer_sizes_the_pinned_pool_before_the_backend_starts():
+  # In a fresh process: the sizing must start no backend, whose pool takes its size then.
+  code = """
+import math, os
+from jax._src import xla_bridge
+from jaxoffload.train import launch, load_config
+from jaxoffload.train.host_memory import pinned_per_device
+from jaxoffload.train.resolve import abstract_setup
+config = load_config("configs/llama_13b_offload.yaml", ["optimizer.clip_grad=0"])
+gib = launch.size_pinned_pool(config)
+assert not xla_bridge._backends, "a backend started"
+pinned = pinned_per_device(abstract_setup(config))
+assert gib == math.ceil(1.125 * pinned / 2**30), (gib, pinned)
+assert os.environ["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] == str(gib)
+# A limit the user set stands.
+assert launch.size_pinned_pool(config) is None
+print(gib, pinned)
+"""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"}
+  done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                        timeout=120, check=False)
+  assert done.returncode == 0, done.stderr[-2000:]
+  gib, pinned = done.stdout.split()
+  # The 13B shape's bfloat16 weights and a bounded share of its gradients: 26 GB and more.
+  assert 26e9 < int(pinned) < 30e9 and int(gib) == 30

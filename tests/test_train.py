@@ -361,12 +361,18 @@ def test_cuda_graphs_turn_on_xla_command_buffers_for_the_run():
 
 @pytest.mark.slow
 def test_bfloat16_transfers_change_no_loss_and_keep_norm_scales_float32():
-  # With one micro-batch the model rounds those weights to bfloat16 itself and
-  # their gradients come out of bfloat16 matmuls: halving the copies changes no number.
+  # With one micro-batch the model rounds those weights to bfloat16 itself and their
+  # gradients come out of bfloat16 matmuls: halving the gradients' copies changes no number
+  # where the device reads the float32 weights and rounds them as it does without offload.
   overrides = [f"train.train_iters={STEPS}", "model.dtype=bfloat16", *HOST_KERNEL[:1],
                "optimizer.optimizer_offload_fraction=1.0", *HOST_KERNEL[2:]]
   halved = load_config(None, overrides + ["optimizer.offload_transfer_dtype=bfloat16"])
-  assert train(halved, log=QUIET) == train(load_config(None, overrides), log=QUIET)
+  rounded_by_device = load_config(None, overrides + [
+      "optimizer.offload_transfer_dtype=bfloat16", "optimizer.store_param_remainders=False"])
+  float32 = train(load_config(None, overrides), log=QUIET)
+  assert train(rounded_by_device, log=QUIET) == float32
+  # Split masters round ties away from zero, not to even: one weight in 65536, one step.
+  np.testing.assert_allclose(train(halved, log=QUIET), float32, rtol=1e-4)
   setup = resolve(halved)
   trainer = Trainer(setup)
   *_, grads, _ = trainer.programs.step(trainer.params, trainer.host_params, trainer.opt_state,
@@ -382,23 +388,26 @@ def test_bfloat16_transfers_change_no_loss_and_keep_norm_scales_float32():
 
 @pytest.mark.parametrize("overlap", [pytest.param(True, id="overlapped"),
                                      pytest.param(False, marks=SLOW, id="one-program")])
-def test_weights_read_in_float32_without_the_hosts_copies_train_as_with_them(overlap):
-  # The device rounds the float32 weights to bfloat16 as the host kernel rounds its copies:
-  # the same numbers, from two bytes an element less of host memory.
+def test_split_masters_train_as_float32_weights_in_half_the_pinned_memory(overlap):
+  # The device reads the bfloat16 halves of the host's split masters where it read the
+  # float32 weights and rounded them itself: the same weights but at ties, half the bytes up.
   overrides = [f"train.train_iters={STEPS}", "model.dtype=bfloat16", *HOST_KERNEL[:1],
                "optimizer.optimizer_offload_fraction=1.0", *HOST_KERNEL[2:],
                "optimizer.offload_transfer_dtype=bfloat16",
                f"optimizer.overlap_cpu_optimizer_d2h_h2d={overlap}"]
-  without = load_config(None, overrides + ["optimizer.offload_weight_copies=False"])
-  assert train(without, log=QUIET) == train(load_config(None, overrides), log=QUIET)
-  host = Trainer(resolve(without)).host
-  assert {p.dtype for p in host.params} == {jnp.dtype(jnp.float32)}
-  assert host.pinned_bytes == host.weight_bytes
-  if overlap:  # The fetched weights are rounded on arrival: the device holds no more.
-    tokens = resolve(without).global_batch(0)
+  float32 = load_config(None, overrides + ["optimizer.store_param_remainders=False"])
+  split = load_config(None, overrides)
+  np.testing.assert_allclose(train(split, log=QUIET), train(float32, log=QUIET), rtol=1e-4)
+  hosts = [Trainer(resolve(c)).host for c in (float32, split)]
+  assert {p.dtype for p in hosts[0].params} == {jnp.dtype(jnp.float32)}
+  assert hosts[0].pinned_bytes == hosts[0].weight_bytes == hosts[1].weight_bytes
+  # The norm scales stay float32 and whole: the rest pin half their bytes.
+  assert hosts[0].pinned_bytes / 2 < hosts[1].pinned_bytes < 0.51 * hosts[0].pinned_bytes
+  if overlap:  # The fetched weights are bfloat16 on the device either way.
+    tokens = resolve(split).global_batch(0)
     shape = jax.ShapeDtypeStruct(tokens.shape, tokens.dtype, sharding=tokens.sharding)
     compiled = [Trainer.from_shapes(resolve(c)).compile(shape).device_bytes
-                for c in (without, load_config(None, overrides))]
+                for c in (float32, split)]
     assert compiled[0] == compiled[1]
 
 

@@ -9,7 +9,7 @@ from typing import Optional
 import jax
 
 from jaxoffload.memory import offloaded_activation_bytes, peak_host_rss_bytes
-from jaxoffload.train import load_config, run
+from jaxoffload.train import launch, load_config, run
 
 FRACTIONS = (0.25, 0.5, 1.0)
 NOISE_FLOOR = "baseline again"
@@ -56,6 +56,7 @@ def default_settings(num_layers: int, bfloat16_compute: bool) -> dict[str, list[
 def measure(config_path: Optional[str], overrides: list[str]) -> dict:
   """One setting's figures, from a trainer run in this process."""
   config = load_config(config_path, overrides)
+  launch.size_pinned_pool(config)  # As the trainer's command does, before JAX starts.
   result = run(config, log=lambda line: print(line, file=sys.stderr))
   times = [r.step_s for r in result.records]
   last = result.records[-1]

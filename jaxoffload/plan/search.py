@@ -16,7 +16,7 @@ from jaxoffload.plan.timing import Calibration, calibrate, predict_s
 from jaxoffload.train import Trainer, host_memory, resolve
 from jaxoffload.train.config import Config, ConfigError
 from jaxoffload.train.loading import override
-from jaxoffload.train.resolve import Setup, host_kernel_allowed
+from jaxoffload.train.resolve import Setup
 from jaxoffload.train.rules import GRAD_SUMS_PLACES
 from jaxoffload.train.step import resident_device_bytes
 
@@ -135,8 +135,7 @@ def plan(config: Config, budgets: Budgets, *, explore: bool = True, log: Log = p
   sizes = _micro_batch_sizes(config) if explore else [config.train.micro_batch_size]
   if explore and calibration is None:
     calibration = calibrate([override(config, o) for o in settings.values()], log=log)
-  places = [p for p in PLACES if p == "device" or (machine.kernel_rate is not None
-                                                    and host_kernel_allowed(config))]
+  places = [p for p in PLACES if p == "device" or machine.kernel_rate is not None]
   if not explore and config.optimizer.optimizer_offload_update_on in PLACES:
     places = [config.optimizer.optimizer_offload_update_on]
 

@@ -103,7 +103,7 @@ class OptimizerConfig:
       streamed through the device in chunks), host (XLA's host computation, one core),
       host_kernel (ZeRO-Offload's split: the chosen leaves' float32 weights and moments
       live on the host and ``jaxoffload.host_adam``'s multi-threaded kernel updates them
-      between device steps; needs numba and float32 parameters), or auto (the trainer
+      between device steps; needs numba), or auto (the trainer
       times this machine's link and host kernel, prices device and host_kernel (where
       the host kernel's update overlaps the next forward pass, its time under that pass
       costs nothing), takes the cheaper and prints why: ``jaxoffload.autoplace``).
@@ -127,16 +127,14 @@ class OptimizerConfig:
       offloaded weights and sends their clipped gradients: bfloat16 halves both copies
       for the leaves the model multiplies in bfloat16 (norm scales stay float32);
       needs model.dtype=bfloat16.
-    offload_weight_copies: with offload_transfer_dtype=bfloat16, whether the host
-      kernel keeps a bfloat16 copy of those weights beside the float32 ones for the
-      device to read (2 bytes of pinned host memory an element). False: the device
-      reads the float32 weights and rounds them itself, the same numbers for twice
-      the bytes on the way up, and the host holds 2 bytes an element less (16 GB
-      for the Llama-3-8B shape at fraction 1.0,
-      [performance](performance.md#llama-3-8b-shape)). Where the host kernel's
-      update outlasts the device work it hides under (fraction 1.0), False is
-      faster too, as the kernel writes no copies; where it does not, the doubled
-      bytes up cost time ([performance](performance.md#optimizer-offload)).
+    store_param_remainders: with offload_transfer_dtype=bfloat16 (Megatron-Core's name),
+      the host kernel keeps each float32 master as the bfloat16 weight the device reads
+      (2 bytes of pinned host memory an element) and the 16 bits it drops (2 bytes of
+      host memory outside the pinned pool): the exact float32 master at 4 bytes, read
+      and sent up in bfloat16. The device computes with the master rounded to nearest,
+      ties away from zero (XLA's own cast rounds ties to even: they differ in one element
+      in 65536, by one bfloat16 step). False: float32 weights in pinned memory, which the
+      device reads and rounds itself, twice the bytes up.
     accumulate_offloaded_grads_on: with host_kernel and gradient accumulation, where
       the host kernel's leaves' gradients are summed over the micro-batches: host (a
       program per micro-batch; the model fetches their stacked weights a layer at a
@@ -150,18 +148,22 @@ class OptimizerConfig:
       halves their memory and rounds each addition stochastically, so that the sum
       stays the float32 sum on average, each addition off by less than one bfloat16
       step of the sum ([performance](performance.md#gradient-accumulation)).
-    exp_avg_dtype: dtype of Adam's first moment, float32 or bfloat16 (Megatron-Core's
+    exp_avg_dtype: dtype of Adam's first moment, float32, bfloat16 or int8 (Megatron-Core's
       precision-aware optimizer); null: model.params_dtype. A bfloat16 moment of
       float32 parameters halves its memory, device or host, and is rounded
       stochastically (``jaxoffload.rounding``) so that training tracks float32
-      ([performance](performance.md#compact-optimizer-state)). The host kernel
-      rounds as the device does, bit for bit.
+      ([performance](performance.md#compact-optimizer-state)). int8: 8-bit blockwise
+      (torchao's AdamW8bit, bitsandbytes' 8-bit Adam): a byte an element and a float32
+      scale per block of 256 elements of a row (``jaxoffload.blockwise``), rounded
+      stochastically; with the host kernel. The host kernel rounds as the device does,
+      bit for bit.
     exp_avg_sq_dtype: the same for the second moment.
     main_params_dtype: dtype of the parameters the optimizer updates (Megatron-Core's
       name); null: model.params_dtype, which it must equal: jaxoffload keeps no second
       copy of the parameters (with float32 parameters the model computes in
       model.dtype). bfloat16 halves the parameters' memory and rounds each update
-      stochastically (``jaxoffload.rounding.apply_updates``), as bfloat16 moments are.
+      stochastically (``jaxoffload.rounding.apply_updates``), as bfloat16 moments are;
+      the host kernel does the same on the host (2 bytes an element, the smallest state).
     use_torch_optimizer_for_cpu_offload: there is no torch here: True is refused,
       naming optimizer_offload_update_on.
     use_distributed_optimizer: optimizer state sharded over the devices, which in
@@ -184,7 +186,7 @@ class OptimizerConfig:
   overlap_cpu_optimizer_d2h_h2d: Optional[bool] = None
   speculate_cpu_optimizer_step: bool = True
   offload_transfer_dtype: str = "float32"
-  offload_weight_copies: bool = True
+  store_param_remainders: bool = True
   accumulate_offloaded_grads_on: str = "host"
   grad_accum_dtype: Optional[str] = None
   exp_avg_dtype: Optional[str] = None

@@ -17,10 +17,14 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-from jaxoffload.host_offload import host_bytes_per_element
+from jaxoffload import host_offload
+from jaxoffload.model import group_name
+from jaxoffload.placement import leaf_path
 from jaxoffload.memory import host_rss_bytes, offloaded_activation_bytes, parse_bytes
-from jaxoffload.train import checkpoints, rules, weights
+from jaxoffload.train import checkpoints, rules
+from jaxoffload.train import weights as weights_
 from jaxoffload.train.config import ConfigError
+from jaxoffload.train.overlap import GRADIENT_BYTES_AHEAD
 from jaxoffload.train.resolve import Setup
 
 # XLA's pinned host allocator holds more than the arrays in it, and JAX's
@@ -65,27 +69,37 @@ class HostBytes:
     return ", ".join(f"{name} {size(n)}" for name, n in parts.items() if n)
 
 
-# What lowers each part, for the refusal's line.
-KEYS = {
-    "optimizer state": "optimizer.optimizer_offload_fraction, optimizer.exp_avg_dtype=bfloat16, "
-                       "optimizer.exp_avg_sq_dtype=bfloat16",
-    "host kernel weights and copies": "optimizer.optimizer_offload_fraction, "
-                                      "optimizer.optimizer_offload_update_on=device",
-    "host kernel moments and sums": "optimizer.optimizer_offload_fraction, "
-                                    "train.micro_batch_size=train.global_batch_size",
-    "offloaded weights": "model.cpu_offloading_num_layers, model.cpu_offloading_weights",
-    "offloaded activations": "model.cpu_offloading_num_layers, train.micro_batch_size",
-    "saving a checkpoint": "optimizer.optimizer_offload_update_on=device (whose saves copy "
-                           "less), no checkpoint.dir",
-}
+# The parts of what a run holds, as the refusal names them.
+PARTS = ("optimizer state", "host kernel weights", "host kernel gradients",
+         "host kernel moments and sums", "offloaded weights", "offloaded activations",
+         "saving a checkpoint")
 
 
-def lowering_keys(setup: Setup) -> dict[str, str]:
-  """``KEYS`` for ``setup``'s run: with the host kernel's bfloat16 weight copies, the key that
-  drops them too."""
-  keys = dict(KEYS)
-  if setup.host_kernel and jnp.dtype(jnp.bfloat16) in setup.weight_transfer_dtypes:
-    keys["host kernel weights and copies"] += ", optimizer.offload_weight_copies=False"
+def lowering_keys(setup: Setup) -> dict[str, list[str]]:
+  """Per part of ``needed``, the settings that would lower it from where ``setup`` stands:
+  none already at its limit."""
+  c = setup.config
+  o, m = c.optimizer, c.model
+  fraction = [] if setup.offload is None else ["optimizer.optimizer_offload_fraction"]
+  moments = rules.moment_dtypes(c)
+  smaller = lambda compact: [f"optimizer.{key}={compact}" for key, dtype in
+                             zip(("exp_avg_dtype", "exp_avg_sq_dtype"), moments)
+                             if jnp.dtype(dtype).itemsize > jnp.dtype(compact).itemsize]
+  keys = {"optimizer state": fraction + smaller("bfloat16"),
+          "offloaded weights": ["model.cpu_offloading_num_layers"],
+          "offloaded activations": ["model.cpu_offloading_num_layers", "train.micro_batch_size"],
+          "saving a checkpoint": ["no checkpoint.dir"]}
+  if setup.host_kernel:
+    keys["host kernel weights"] = fraction + (
+        ["model.params_dtype=bfloat16 (bfloat16 masters)"] if m.params_dtype == "float32" else [])
+    keys["host kernel gradients"] = (
+        ["optimizer.offload_transfer_dtype=bfloat16"]
+        if o.offload_transfer_dtype == "float32" and m.dtype == "bfloat16" else [])
+    keys["host kernel moments and sums"] = fraction + (
+        smaller("int8") if o.optimizer_offload_fraction == 1.0 else smaller("bfloat16")) + (
+        ["optimizer.accumulate_offloaded_grads_on=device"] if setup.sums_on_host else [])
+    keys["saving a checkpoint"] = ["optimizer.optimizer_offload_update_on=device (whose saves "
+                                   "copy less)", "no checkpoint.dir"]
   return keys
 
 
@@ -102,45 +116,85 @@ def local_elements(shape: Any, sharding: jax.sharding.Sharding) -> int:
 
 def needed(setup: Setup) -> HostBytes:
   """The host memory ``setup``'s run will allocate, by what holds it."""
-  shapes, shardings = jax.tree.leaves(setup.param_shapes), jax.tree.leaves(setup.param_shardings)
-  offloaded = setup.offload.offloaded if setup.offload else (False,) * len(shapes)
-  fetched = jax.tree.leaves(setup.fetched_by_model)
-  held = dict.fromkeys(KEYS, 0)
-  transfer = iter(zip(setup.transfer_dtypes, setup.weight_transfer_dtypes)
-                  if setup.host_kernel else ())
-  moment_bytes = sum(jnp.dtype(d).itemsize for d in rules.moment_dtypes(setup.config))
-  saved = 0  # What a save adds: copies of the state a checkpoint holds, this process's shards.
-  for shape, sharding, off, fetch, checkpointed in zip(
-      shapes, shardings, offloaded, fetched, checkpoints.bytes_per_element(setup)):
-    elements = local_elements(shape.shape, sharding)
-    if off and setup.host_kernel:
-      wire, weights_read_in = next(transfer)
-      pinned, unpinned = host_bytes_per_element(weights_read_in, summed=setup.sums_on_host,
-                                                moment_bytes=moment_bytes)
-      # Each step's gradients arrive in pinned memory; micro-batches summed on the host hold
-      # one more (the next arrive while the last are added).
-      grads = (2 if setup.sums_on_host else 1) * wire.itemsize
-      held["host kernel weights and copies"] += elements * (pinned + grads)
-      held["host kernel moments and sums"] += elements * unpinned
-      saved += elements * checkpointed * HOST_KERNEL_SAVE_COPIES
-      continue
-    if off:
-      held["optimizer state"] += elements * moment_bytes
-    if fetch:  # And their gradients, which arrive in host memory.
-      held["offloaded weights"] += 2 * elements * shape.dtype.itemsize
-    saved += elements * checkpointed
-  pinned = sum(held.values()) - held["host kernel moments and sums"]
+  held, pinned, saved = _state(setup, local_elements)
   held["pinned allocator overhead"] = (
       pinned_pool_bytes(pinned, pinned_pool_limit(), jax.local_device_count()) - pinned)
   held["JAX runtime"] = RUNTIME_BYTES
   share = jax.local_device_count() / jax.device_count()
-  m, t = setup.config.model, setup.config.train
-  activations = offloaded_activation_bytes(setup.model, setup.groups, t.micro_batch_size,
-                                           m.seq_length)
-  transient = {"loading the first weights": weights.staging_bytes(setup),
-               "offloaded activations": int(share * activations),
+  transient = {"loading the first weights": weights_.staging_bytes(setup),
+               "offloaded activations": int(share * _activation_bytes(setup)),
                "saving a checkpoint": int(saved) if setup.config.checkpoint.dir else 0}
   return HostBytes(held, transient, pinned)
+
+
+def pinned_per_device(setup: Setup) -> int:
+  """The bytes of arrays one device's pinned pool holds at once: its shards of the state
+  that lives there, and of one step's offloaded activations. Needs no backend (an
+  ``abstract_setup`` will do)."""
+  _, pinned, _ = _state(setup, lambda shape, sharding: math.prod(sharding.shard_shape(shape)))
+  return pinned + _activation_bytes(setup) // setup.mesh.size
+
+
+def _activation_bytes(setup: Setup) -> int:
+  """One step's offloaded activations, every device's."""
+  m, t = setup.config.model, setup.config.train
+  return offloaded_activation_bytes(setup.model, setup.groups, t.micro_batch_size, m.seq_length)
+
+
+def _state(setup: Setup, elements_of) -> tuple[dict[str, int], int, float]:
+  """What the run's state holds in host memory, by part, with the elements
+  ``elements_of(shape, sharding)`` of each leaf: ``(parts, pinned bytes, bytes a save
+  copies)``."""
+  paths, _ = jax.tree_util.tree_flatten_with_path(setup.param_shapes)
+  shapes, shardings = jax.tree.leaves(setup.param_shapes), jax.tree.leaves(setup.param_shardings)
+  offloaded = setup.offload.offloaded if setup.offload else (False,) * len(shapes)
+  layers = {group_name(g): g.stop - g.start for g in setup.groups}
+  grads_by_piece: dict[str, float] = {}  # Per program's pieces: one layer's, or the rest's.
+  fetched = jax.tree.leaves(setup.fetched_by_model)
+  held = dict.fromkeys(PARTS[:-2], 0)
+  transfer = iter(zip(setup.transfer_dtypes, setup.weight_transfer_dtypes)
+                  if setup.host_kernel else ())
+  moments = rules.moment_dtypes(setup.config)
+  pinned = saved = 0  # What a save adds: copies of the state a checkpoint holds.
+  for (path, _), shape, sharding, off, fetch, checkpointed in zip(
+      paths, shapes, shardings, offloaded, fetched, checkpoints.bytes_per_element(setup)):
+    elements = elements_of(shape.shape, sharding)
+    moment_bytes = sum(host_offload.moment_bytes(d, sharding.shard_shape(shape.shape))
+                       for d in moments)
+    if off and setup.host_kernel:
+      wire, weights_read_in = next(transfer)
+      weights, others = host_offload.host_bytes_per_element(
+          weights_read_in, master_dtype=shape.dtype, moment_bytes=moment_bytes)
+      split = others - moment_bytes
+      # Each step's gradients arrive in pinned memory; micro-batches summed on the host hold
+      # one more (the next arrive while the last are added), and their float32 sums.
+      grads = (2 if setup.sums_on_host else 1) * wire.itemsize
+      held["host kernel weights"] += elements * (weights + split)
+      held["host kernel gradients"] += elements * grads
+      name = leaf_path(path).split("/")[0]
+      piece = name if name in layers else ""
+      grads_by_piece[piece] = grads_by_piece.get(piece, 0) + elements * grads / layers.get(name, 1)
+      held["host kernel moments and sums"] += int(elements * (
+          moment_bytes + (4 if setup.sums_on_host else 0)))
+      pinned += elements * (weights + grads)
+      saved += elements * checkpointed * HOST_KERNEL_SAVE_COPIES
+      continue
+    if off:
+      held["optimizer state"] += int(elements * moment_bytes)
+      pinned += int(elements * moment_bytes)
+    if fetch:  # And their gradients, which arrive in host memory.
+      held["offloaded weights"] += 2 * elements * shape.dtype.itemsize
+      pinned += 2 * elements * shape.dtype.itemsize
+    saved += elements * checkpointed
+  if setup.overlaps_host_update and not setup.clips_gradients:
+    # Consumed as they come (train.overlap): the head's and the embedding's, a layer's, and
+    # what the device may send ahead.
+    bound = GRADIENT_BYTES_AHEAD + grads_by_piece.pop("", 0) + max(grads_by_piece.values(),
+                                                                    default=0)
+    kept = min(held["host kernel gradients"], int(bound))
+    pinned -= held["host kernel gradients"] - kept
+    held["host kernel gradients"] = kept
+  return held, pinned, saved
 
 
 def available(limit: Optional[int]) -> tuple[int, str]:
@@ -210,23 +264,26 @@ def check(setup: Setup) -> HostBytes:
   """
   need = needed(setup)
   pool = pinned_pool_limit()
-  per_device = int((1 + PINNED_POOL_SLACK) * need.pinned) // jax.local_device_count()
+  per_device = int((1 + PINNED_POOL_SLACK) * pinned_per_device(setup))
   if pool is not None and per_device > pool:
-    pinned_by = "host kernel weights and copies" if setup.host_kernel else "optimizer state"
+    keys = lowering_keys(setup)
+    pinned_by = (keys["host kernel weights"] + keys["host kernel gradients"]
+                 if setup.host_kernel else keys["optimizer state"])
     raise ConfigError(
         f"host memory: this run pins about {size(per_device)} of host memory per GPU, more than "
         f"XLA's pinned pool gives ({size(pool)}, {PINNED_POOL_VARIABLE}); set "
         f"{PINNED_POOL_VARIABLE}={math.ceil(per_device / 2**30)} or more before starting, or "
-        f"lower the pinned bytes with {lowering_keys(setup)[pinned_by]}")
+        f"lower the pinned bytes with {', '.join(dict.fromkeys(pinned_by))}")
   limit = setup.config.train.host_memory_limit
   have, source = available(None if limit is None else parse_bytes(limit))
   if need.total <= have:
     return need
   # The keys of the parts that matter, largest first.
-  lowered_by = {**lowering_keys(setup), "pinned allocator overhead": pool_limit_advice(need)}
+  advice = pool_limit_advice(need)
+  lowered_by = {**lowering_keys(setup), "pinned allocator overhead": [advice] if advice else []}
   parts = sorted(((n, name) for name, n in {**need.held, **need.transient}.items()
                   if lowered_by.get(name) and n >= need.total / 10), reverse=True)
-  keys = "; ".join(dict.fromkeys(lowered_by[name] for _, name in parts))
+  keys = ", ".join(dict.fromkeys(key for _, name in parts for key in lowered_by[name]))
   lower = f"; lower it with {keys}" if keys else ""
   raise ConfigError(f"host memory: this run needs about {size(need.total)} more ({need}) but "
                     f"{size(max(have, 0))} is {source}{lower}, or set train.host_memory_limit "

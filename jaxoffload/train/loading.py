@@ -28,8 +28,14 @@ RUN_FIELDS = ("dtype", "params_dtype", "seq_length", "attention_implementation")
 _DELAYED_UPDATE = ("a one-step-delayed host update trained 0.85 nats behind exact Adam after 300 "
                    "steps; the exact host kernel overlaps the next step's forward pass instead "
                    "(docs/performance.md#optimizer-offload)")
-REMOVED_KEYS = {f"optimizer.{key}": _DELAYED_UPDATE for key in (
-    "delayed_update", "delayed_update_after", "delayed_update_predict_weights")}
+REMOVED_KEYS = {
+    **{f"optimizer.{key}": _DELAYED_UPDATE for key in (
+        "delayed_update", "delayed_update_after", "delayed_update_predict_weights")},
+    "optimizer.offload_weight_copies": (
+        "the host kernel keeps no bfloat16 copies of float32 weights: with bfloat16 transfers "
+        "it keeps each master as the bfloat16 weight the device reads plus its 16-bit "
+        "remainder (optimizer.store_param_remainders, on by default; False: float32 weights "
+        "the device rounds itself)")}
 
 
 def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Config:

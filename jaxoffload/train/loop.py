@@ -77,9 +77,14 @@ def run(config: Config, *, log: Log = print, stop_after_step: Optional[int] = No
   setup = resolve(config)
   config = setup.config
   need = host_memory.check(setup)  # Before anything is allocated.
-  advice = host_memory.pool_limit_advice(need)
-  if advice:
-    log(f"note: host memory: {advice}")
+  if launch.sized_pinned_pool_gib is not None and host_memory.pinned_pool_limit() is not None:
+    log(f"host memory: XLA's pinned pool of each GPU sized to {launch.sized_pinned_pool_gib} "
+        f"GiB for the {host_memory.size(host_memory.pinned_per_device(setup))} it holds at "
+        f"once ({host_memory.PINNED_POOL_VARIABLE})")
+  else:
+    advice = host_memory.pool_limit_advice(need)
+    if advice:
+      log(f"note: host memory: {advice}")
   # Made first: a missing writer is found before anything compiles.
   tensorboard = (metrics.TensorBoard(config.logging.tensorboard_dir)
                  if config.logging.tensorboard_dir and reporting else None)

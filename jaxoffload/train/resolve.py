@@ -21,6 +21,7 @@ import optax
 from jax.experimental import multihost_utils
 
 from jaxoffload import autoplace, sharding
+from jaxoffload.host_offload import moment_bytes
 from jaxoffload.model import Llama, LlamaConfig, compute_dtypes, group_name
 from jaxoffload.params import abstract_params, logical_param_specs
 from jaxoffload.placement import OffloadPlan, leaf_path, plan_offload
@@ -46,7 +47,8 @@ class Setup:
       leaves when it sums micro-batches.
     schedule: the learning rate at each update.
     choices: what each ``auto`` chose and why, a line each.
-    data: the training and held-out batches (numpy), and the tokenizer.
+    data: the training and held-out batches (numpy), and the tokenizer; None in an
+      ``abstract_setup``.
   """
 
   config: Config
@@ -59,7 +61,7 @@ class Setup:
   fetched_by_model: Any
   schedule: optax.Schedule
   choices: tuple[str, ...]
-  data: data.Data
+  data: Optional[data.Data]
 
   @property
   def host_kernel(self) -> bool:
@@ -70,21 +72,40 @@ class Setup:
   @property
   def transfer_dtypes(self) -> list[jnp.dtype]:
     """Per host kernel leaf, the dtype its gradients travel in and its weights reach the
-    model in (``weight_transfer_dtypes``: the dtype they cross in): bfloat16 only for
-    leaves the model multiplies in bfloat16, with ``offload_transfer_dtype=bfloat16``."""
+    model in (``weight_transfer_dtypes``: the dtype they cross in): bfloat16 for bfloat16
+    parameters, and for those the model multiplies in bfloat16 with
+    ``offload_transfer_dtype=bfloat16``."""
     wire = jnp.dtype(self.config.optimizer.offload_transfer_dtype)
     multiplied_in = jax.tree.leaves(compute_dtypes(self.param_shapes, self.model))
-    return [wire if d == jnp.bfloat16 else jnp.dtype(jnp.float32)
-            for d, host in zip(multiplied_in, self.offload.offloaded) if host]
+    return [p.dtype if p.dtype == jnp.bfloat16 else wire if d == jnp.bfloat16
+            else jnp.dtype(jnp.float32) for p, d in zip(self._host_leaves(self.param_shapes),
+                                                        self._host_leaves(multiplied_in))]
 
   @property
   def weight_transfer_dtypes(self) -> list[jnp.dtype]:
     """Per host kernel leaf, the dtype the device reads its weights in from host memory:
-    ``transfer_dtypes``, or float32 without the host's bfloat16 copies
-    (``optimizer.offload_weight_copies=False``)."""
-    if self.config.optimizer.offload_weight_copies:
+    ``transfer_dtypes`` where the host keeps float32 masters split
+    (``optimizer.store_param_remainders``) and bfloat16 parameters as they are, float32
+    otherwise (the device rounds them itself)."""
+    if self.config.optimizer.store_param_remainders:
       return self.transfer_dtypes
-    return [jnp.dtype(jnp.float32)] * len(self.transfer_dtypes)
+    return [p.dtype for p in self._host_leaves(self.param_shapes)]
+
+  @property
+  def initial_param_shardings(self) -> Any:
+    """Where the first parameters are placed: ``param_shardings``, but in device memory for
+    the host kernel's float32 masters that it splits (``HostAdamW`` splits them there: a
+    float32 master never enters XLA's pinned pool, which never gives memory back)."""
+    if not self.host_kernel:
+      return self.param_shardings
+    split = iter([p.dtype == jnp.float32 and d == jnp.bfloat16 for p, d in zip(
+        self._host_leaves(self.param_shapes), self.weight_transfer_dtypes)])
+    return jax.tree.map(lambda s, host: s.with_memory_kind("device") if host and next(split)
+                        else s, self.param_shardings, self.offload.mask)
+
+  def _host_leaves(self, tree: Any) -> list:
+    """Of a tree like the parameters, the host kernel's leaves."""
+    return [x for x, host in zip(jax.tree.leaves(tree), self.offload.offloaded) if host]
 
   @property
   def overlaps_host_update(self) -> bool:
@@ -168,11 +189,42 @@ def resolve(config: Config) -> Setup:
   if config.optimizer.optimizer_offload_fraction == "auto":
     from jaxoffload.plan import fastest_offload  # The planner resolves settings itself.
     config = fastest_offload(config, log=choices.append)
+  shapes, _ = _param_shapes(config.model.llama(), _layer_ranges(config))
+  o = config.optimizer
+  offload = (plan_offload(shapes, offload_fraction=o.optimizer_offload_fraction)
+             if o.optimizer_cpu_offload else None)
+  config, choice = _resolve_update_place(config, offload)
+  if choice is not None:
+    choices.append(str(choice))
+  if (offload is not None and config.optimizer.optimizer_offload_update_on == "host_kernel"
+      and importlib.util.find_spec("numba") is None):
+    raise ConfigError("optimizer_offload_update_on=host_kernel needs numba: "
+                      "pip install 'jaxoffload[host]'")
+  return _placed(config, _mesh(config), data.make(config), tuple(choices))
+
+
+def abstract_setup(config: Config) -> Setup:
+  """``resolve``'s placements of a config that names them (no ``auto``), over an abstract
+  mesh of its sizes, with no data: what memory its run will hold, reckoned before JAX
+  starts a backend (which ``resolve`` starts).
+
+  Raises:
+    ValueError: for a config with an ``auto`` setting, which only this machine decides.
+  """
+  o = config.optimizer
+  if "auto" in (o.optimizer_offload_fraction, o.optimizer_offload_update_on):
+    raise ValueError("an auto setting is decided on this machine: resolve the config")
+  m = config.mesh
+  mesh = jax.sharding.AbstractMesh((m.data, m.fsdp, m.tensor), sharding.MESH_AXES)
+  return _placed(config, mesh, None, ())
+
+
+def _placed(config: Config, mesh: Any, run_data: Optional[data.Data],
+            choices: tuple[str, ...]) -> Setup:
+  """The ``Setup`` of a config whose placements are decided, over ``mesh``."""
   groups = rules.layer_groups(config)
-  mesh = _mesh(config)
   model = config.model.llama()
-  run_data = data.make(config)
-  shapes, specs = _param_shapes(model, tuple((g.start, g.stop) for g in groups))
+  shapes, specs = _param_shapes(model, _layer_ranges(config))
   shardings = sharding.logical_shardings(mesh, specs)
   host_groups = {group_name(g) for g in groups if g.offload_weights}
   fetched = jax.tree_util.tree_map_with_path(
@@ -180,13 +232,7 @@ def resolve(config: Config) -> Setup:
   o = config.optimizer
   offload = (plan_offload(shapes, offload_fraction=o.optimizer_offload_fraction)
              if o.optimizer_cpu_offload else None)
-  config, choice = _resolve_update_place(config, offload)
-  if choice is not None:
-    choices.append(str(choice))
-  host_kernel = offload is not None and config.optimizer.optimizer_offload_update_on == "host_kernel"
-  if host_kernel and importlib.util.find_spec("numba") is None:
-    raise ConfigError("optimizer_offload_update_on=host_kernel needs numba: "
-                      "pip install 'jaxoffload[host]'")
+  host_kernel = offload is not None and o.optimizer_offload_update_on == "host_kernel"
   # Weight-offloaded groups live in pinned_host; so do the host kernel's leaves
   # (ZeRO-Offload's split: their weights stay with their optimizer state).
   in_host = fetched if not host_kernel else jax.tree.map(lambda a, b: a or b, fetched,
@@ -195,13 +241,17 @@ def resolve(config: Config) -> Setup:
                            shardings, in_host)
   setup = Setup(config=config, model=model, groups=groups, mesh=mesh, param_shapes=shapes,
                 param_shardings=shardings, offload=offload, fetched_by_model=fetched,
-                schedule=learning_rate(config), choices=tuple(choices), data=run_data)
+                schedule=learning_rate(config), choices=choices, data=run_data)
   if setup.sums_on_host:
     # The model fetches the host kernel's stacked leaves a layer at a time, and their
     # gradients leave the device as they are made.
     groups, fetched = _fetching_host_leaves(groups, in_host)
     setup = dataclasses.replace(setup, groups=groups, fetched_by_model=fetched)
   return setup
+
+
+def _layer_ranges(config: Config) -> tuple[tuple[int, int], ...]:
+  return tuple((g.start, g.stop) for g in rules.layer_groups(config))
 
 
 def _fetching_host_leaves(groups: tuple[LayerGroup, ...], in_host: Any
@@ -223,8 +273,11 @@ def _fetching_host_leaves(groups: tuple[LayerGroup, ...], in_host: Any
 def _param_shapes(model: LlamaConfig, layers: tuple[tuple[int, int], ...]) -> tuple[Any, Any]:
   """The parameters' shapes and logical specs for layer groups cut at ``layers``: traced
   once per model and cut (a planner resolves many settings of one model)."""
+  # Parameters' shapes depend neither on the tokens nor on the attention's implementation:
+  # shapes and a named one, which start no backend.
+  model = dataclasses.replace(model, attention_implementation="xla")
   llama = Llama(model, tuple(LayerGroup(start, stop, None) for start, stop in layers))
-  probe = jnp.zeros((1, 2), jnp.int32)  # Parameters' shapes do not depend on the tokens'.
+  probe = jax.ShapeDtypeStruct((1, 2), jnp.int32)
   return abstract_params(llama, probe), logical_param_specs(llama, probe)
 
 
@@ -249,11 +302,6 @@ def _mesh(config: Config) -> jax.sharding.Mesh:
     raise ConfigError(f"mesh data={m.data} x fsdp={m.fsdp} x tensor={m.tensor} must use all "
                       f"{jax.device_count()} devices of the {jax.process_count()} processes")
   return mesh
-
-
-def host_kernel_allowed(config: Config) -> bool:
-  """Whether the host kernel can hold this config's state: float32 weights."""
-  return config.model.params_dtype == "float32"
 
 
 # The share of the device's peak a forward pass is priced at, where the host kernel's update
@@ -300,12 +348,12 @@ def price_updates(config: Config, offload: OffloadPlan, machine: autoplace.Machi
   local_devices = m.data * m.fsdp * m.tensor // jax.process_count()
   return autoplace.choose(
       machine, offloaded_elements=per_device,
-      moment_bytes_per_element=sum(jnp.dtype(d).itemsize for d in rules.moment_dtypes(config)),
+      moment_bytes_per_element=sum(moment_bytes(d) for d in rules.moment_dtypes(config)),
       transfer_bytes_per_element=jnp.dtype(o.offload_transfer_dtype).itemsize,
-      weight_bytes_per_element=(None if o.offload_weight_copies
-                                else jnp.dtype(jnp.float32).itemsize),
+      weight_bytes_per_element=(None if o.store_param_remainders
+                                else jnp.dtype(config.model.params_dtype).itemsize),
       local_elements=per_device * local_devices,
-      host_kernel=host_kernel and host_kernel_allowed(config),
+      host_kernel=host_kernel,
       overlap_s=overlap_seconds(config))
 
 

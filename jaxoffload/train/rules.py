@@ -18,6 +18,8 @@ from jaxoffload.train.config import Config, ConfigError
 from jaxoffload.train.tokenizer import BYTE_VOCAB_SIZE
 
 DTYPES = ("float32", "bfloat16")
+# Adam's moments may also be 8-bit blocks (jaxoffload.blockwise), on the host kernel.
+MOMENT_DTYPES = DTYPES + ("int8",)
 ATTENTION_IMPLEMENTATIONS = (None, "xla", "cudnn")
 CUDA_GRAPH_IMPLS = ("none", "local", "transformer_engine")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
@@ -60,8 +62,8 @@ def moment_dtypes(config: Config) -> tuple[str, str]:
 
 
 def compact_moments(config: Config) -> bool:
-  """Whether a moment is stored in bfloat16 (rounded stochastically)."""
-  return "bfloat16" in moment_dtypes(config)
+  """Whether a moment is stored in bfloat16 or 8 bits (rounded stochastically)."""
+  return any(d != "float32" for d in moment_dtypes(config))
 
 
 def warnings(config: Config, backend: str) -> list[str]:
@@ -103,8 +105,8 @@ def _check_choices(config: Config) -> None:
   _one_of("optimizer.accumulate_offloaded_grads_on", o.accumulate_offloaded_grads_on,
           GRAD_SUMS_PLACES)
   _one_of("optimizer.grad_accum_dtype", o.grad_accum_dtype, (None,) + DTYPES)
-  _one_of("optimizer.exp_avg_dtype", o.exp_avg_dtype, (None,) + DTYPES)
-  _one_of("optimizer.exp_avg_sq_dtype", o.exp_avg_sq_dtype, (None,) + DTYPES)
+  _one_of("optimizer.exp_avg_dtype", o.exp_avg_dtype, (None,) + MOMENT_DTYPES)
+  _one_of("optimizer.exp_avg_sq_dtype", o.exp_avg_sq_dtype, (None,) + MOMENT_DTYPES)
   _one_of("optimizer.main_params_dtype", o.main_params_dtype, (None,) + DTYPES)
   if o.main_params_dtype not in (None, m.params_dtype):
     raise ConfigError(
@@ -241,10 +243,13 @@ def host_update_overlap_blocker(config: Config) -> Optional[str]:
 
 def _check_host_kernel(config: Config) -> None:
   m, o = config.model, config.optimizer
-  if not o.offload_weight_copies and o.offload_transfer_dtype != "bfloat16":
-    raise ConfigError(f"optimizer.offload_weight_copies=False drops the bfloat16 weight copies "
-                      f"of optimizer.offload_transfer_dtype=bfloat16; with "
-                      f"{o.offload_transfer_dtype} transfers there are none")
+  for key, dtype in (("exp_avg_dtype", o.exp_avg_dtype), ("exp_avg_sq_dtype", o.exp_avg_sq_dtype)):
+    if dtype == "int8" and not (o.optimizer_cpu_offload and o.optimizer_offload_fraction == 1.0
+                                and o.optimizer_offload_update_on == "host_kernel"):
+      raise ConfigError(f"optimizer.{key}=int8 (8-bit blocks) is kept by the host kernel alone: "
+                        f"it needs optimizer.optimizer_cpu_offload=True, "
+                        f"optimizer.optimizer_offload_fraction=1.0 and "
+                        f"optimizer.optimizer_offload_update_on=host_kernel")
   if o.offload_transfer_dtype != "float32":
     if o.optimizer_offload_update_on not in ("host_kernel", "auto"):
       raise ConfigError(f"optimizer.offload_transfer_dtype={o.offload_transfer_dtype} needs "
@@ -259,10 +264,6 @@ def _check_host_kernel(config: Config) -> None:
       and blocker):
     raise ConfigError(f"optimizer.overlap_cpu_optimizer_d2h_h2d=True with the host kernel: "
                       f"{blocker}")
-  if (o.optimizer_cpu_offload and o.optimizer_offload_update_on == "host_kernel"
-      and m.params_dtype != "float32"):
-    raise ConfigError("optimizer_offload_update_on=host_kernel keeps float32 weights on the "
-                      f"host; model.params_dtype must be float32, got {m.params_dtype!r}")
 
 
 def _check_model(config: Config) -> None:

@@ -209,10 +209,12 @@ class Trainer:
 
   def restore_targets(self) -> dict:
     """What ``checkpoint`` returns, as this trainer's shapes, dtypes and placements: where
-    orbax reads a checkpoint to. The host kernel's moments have no placement (``sharding``
-    None): they are read into numpy, one leaf at a time."""
+    orbax reads a checkpoint to (the host kernel's split masters in device memory,
+    ``Setup.initial_param_shardings``). The host kernel's moments have no placement
+    (``sharding`` None): they are read into numpy, one leaf at a time."""
     like = lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-    targets = {"params": jax.tree.map(like, self.setup.param_shapes, self.setup.param_shardings)}
+    targets = {"params": jax.tree.map(like, self.setup.param_shapes,
+                                      self.setup.initial_param_shardings)}
     host = [jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=None)
             for p in self.programs.host_leaves(jax.tree.leaves(self.setup.param_shapes))]
     for name in ("mu", "nu"):
@@ -244,7 +246,8 @@ def _init_params(setup: Setup) -> Any:
   # from the same weights, so their losses can be compared step by step.
   one_stack = Llama(setup.model, remat.layer_groups(setup.model.num_layers))
   return init_params(one_stack, jax.random.PRNGKey(setup.config.train.seed),
-                     jnp.zeros((1, 2), jnp.int32), setup.param_shardings, groups=setup.groups)
+                     jnp.zeros((1, 2), jnp.int32), setup.initial_param_shardings,
+                     groups=setup.groups)
 
 
 def resident_device_bytes(trainer: Trainer) -> int:

@@ -26,7 +26,7 @@ from jaxoffload.train.resolve import Setup
 
 def initial(setup: Setup) -> Optional[Any]:
   """The first parameters ``setup`` names (``model.hf_checkpoint``, ``checkpoint.init_from``),
-  placed as ``setup.param_shardings`` says; None for a random start.
+  placed as ``setup.initial_param_shardings`` says; None for a random start.
 
   Raises:
     ConfigError: one line naming the checkpoint and what is wrong with it.
@@ -35,7 +35,7 @@ def initial(setup: Setup) -> Optional[Any]:
   if c.model.hf_checkpoint is not None:
     try:
       return hf.load_checkpoint(c.model.hf_checkpoint, config=setup.model, groups=setup.groups,
-                                shardings=setup.param_shardings)[1]
+                                shardings=setup.initial_param_shardings)[1]
     except CheckpointError as error:
       raise ConfigError(str(error)) from None
   if c.checkpoint.init_from is not None:
@@ -84,4 +84,4 @@ def from_run(setup: Setup, path: str) -> Any:
   checkpoints, step = ckpt.locate(path)
   theirs = config_from_dict(ckpt.read_meta(checkpoints, step)["config"])
   return reader.read_tree(checkpoints, step, "params", ckpt.layer_ranges(theirs),
-                          targets(setup.param_shapes, setup.param_shardings))
+                          targets(setup.param_shapes, setup.initial_param_shardings))
