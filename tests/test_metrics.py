@@ -105,4 +105,23 @@ def test_out_of_device_memory_names_the_keys_and_writes_the_memory_profile(tmp_p
   profile = err[0].split("what the device held: ")[1]
   assert err[0].startswith("error: out of device memory: RESOURCE_EXHAUSTED: Out of memory")
   assert os.path.dirname(profile) == str(tmp_path) and os.path.getsize(profile) > 0
-  assert "optimizer.optimizer_offload_fraction" in err[1]
+  assert err[1] == ("Lower it with: optimizer.optimizer_cpu_offload=True with "
+                    "optimizer.optimizer_offload_fraction; a smaller train.micro_batch_size (now "
+                    "8); model.recompute_granularity=selective or full (docs/config.md).")
+
+
+@pytest.mark.parametrize("overrides, named", [
+    # Everything offloaded, the smallest micro-batch, every layer recomputed: nothing to name.
+    (["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=1.0",
+      "optimizer.optimizer_offload_update_on=host_kernel", "train.micro_batch_size=1",
+      "optimizer.grad_accum_dtype=bfloat16", "model.recompute_granularity=full"], []),
+    # At fraction 1.0 on the device placement: not a larger fraction, the host kernel.
+    (["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=1.0",
+      "train.micro_batch_size=1", "model.recompute_granularity=selective"],
+     ["optimizer.optimizer_offload_update_on=host_kernel (the device then holds no float32 "
+      "weights or gradients of the offloaded leaves)", "optimizer.grad_accum_dtype=bfloat16",
+      "model.recompute_granularity=full"]),
+])
+def test_out_of_memory_advice_names_only_levers_not_at_their_limit(overrides, named):
+  from jaxoffload.train import rules
+  assert rules.device_memory_levers(load_config(None, overrides)) == named

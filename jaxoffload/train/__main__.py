@@ -25,15 +25,10 @@ from typing import Optional
 
 import jax
 
-from jaxoffload.train import launch
+from jaxoffload.train import launch, rules
 from jaxoffload.train.config import ConfigError
 from jaxoffload.train.loading import load_config
 from jaxoffload.train.loop import train
-
-OUT_OF_MEMORY_HINT = (
-    "Offload more: optimizer.optimizer_cpu_offload=True with a larger "
-    "optimizer.optimizer_offload_fraction, or model.cpu_offloading=True with more "
-    "model.cpu_offloading_num_layers (docs/config.md).")
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -60,8 +55,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     if "RESOURCE_EXHAUSTED" not in str(error):
       raise
     profile = _memory_profile(config)
+    levers = rules.device_memory_levers(config) if config is not None else []
+    hint = (f"Lower it with: {'; '.join(levers)} (docs/config.md)." if levers else
+            "Every setting that lowers device memory is at its limit: a smaller model or "
+            "model.seq_length, or more devices (mesh.fsdp).")
     _exit(f"error: out of device memory: {str(error).splitlines()[0]}; what the device held: "
-          f"{profile}\n{OUT_OF_MEMORY_HINT}", 1)
+          f"{profile}\n{hint}", 1)
 
 
 def _memory_profile(config) -> str:

@@ -204,6 +204,31 @@ def _check_optimizer(config: Config) -> None:
                       f"optimizer state alike)")
 
 
+def device_memory_levers(config: Config) -> list[str]:
+  """The settings that would lower ``config``'s device memory from where it stands, none
+  already at its limit: what an out-of-memory error names."""
+  m, o, t = config.model, config.optimizer, config.train
+  levers = []
+  if not o.optimizer_cpu_offload:
+    levers.append("optimizer.optimizer_cpu_offload=True with optimizer.optimizer_offload_fraction")
+  elif o.optimizer_offload_fraction != "auto" and o.optimizer_offload_fraction < 1.0:
+    levers.append(f"a larger optimizer.optimizer_offload_fraction (now "
+                  f"{o.optimizer_offload_fraction})")
+  if o.optimizer_cpu_offload and o.optimizer_offload_update_on in ("device", "host"):
+    levers.append("optimizer.optimizer_offload_update_on=host_kernel (the device then holds "
+                  "no float32 weights or gradients of the offloaded leaves)")
+  if t.micro_batch_size > 1:
+    levers.append(f"a smaller train.micro_batch_size (now {t.micro_batch_size})")
+  if micro_batches(config) > 1 and o.grad_accum_dtype != "bfloat16":
+    levers.append("optimizer.grad_accum_dtype=bfloat16")
+  if m.recompute_granularity != "full" and not m.cpu_offloading:
+    levers.append("model.recompute_granularity=full" if m.recompute_granularity
+                  else "model.recompute_granularity=selective or full")
+  if m.cpu_offloading and m.cpu_offloading_num_layers < m.num_layers - 1:
+    levers.append(f"more model.cpu_offloading_num_layers (now {m.cpu_offloading_num_layers})")
+  return levers
+
+
 def micro_batches(config: Config) -> int:
   """How many micro-batches make a step: ``train.global_batch_size`` over
   ``train.micro_batch_size``."""
