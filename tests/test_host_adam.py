@@ -170,7 +170,8 @@ def test_bfloat16_weights_round_each_update_stochastically_as_the_device_does(pr
     host_adam.adamw_undo(weights, grads[0], moments[2], moments[3], **settings)
 
 
-@pytest.mark.parametrize("moments", ["int8", "mu int8", "nu int8"])
+@pytest.mark.parametrize("moments", ["int8", pytest.param("mu int8", marks=pytest.mark.slow),
+                                     pytest.param("nu int8", marks=pytest.mark.slow)])
 def test_eight_bit_moments_are_the_float32_ones_encoded_as_jax_encodes_them(problem, moments):
   param, grads = problem
   coded = {"mu": "mu" in moments or moments == "int8", "nu": "nu" in moments or moments == "int8"}

@@ -254,7 +254,8 @@ def test_bfloat16_moments_round_as_the_device_optimizer_rounds_them():
 @pytest.mark.parametrize("compact, bound", [
     (dict(mu_dtype=jnp.int8, nu_dtype=jnp.int8), 3e-3),
     (dict(bfloat16_weights=True), 3e-2),
-    (dict(bfloat16_weights=True, mu_dtype=jnp.int8, nu_dtype=jnp.int8), 3e-2)],
+    pytest.param(dict(bfloat16_weights=True, mu_dtype=jnp.int8, nu_dtype=jnp.int8), 3e-2,
+                 marks=pytest.mark.slow)],
     ids=["8-bit moments", "bfloat16 weights", "both"])
 def test_compact_state_trains_close_to_optax(compact, bound):
   weights, batches = problem()
