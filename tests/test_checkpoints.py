@@ -246,6 +246,13 @@ ACTIVATIONS = ["model.cpu_offloading=True", "model.cpu_offloading_num_layers=1"]
                  marks=pytest.mark.slow),
     pytest.param(ACTIVATIONS + ["optimizer.exp_avg_dtype=bfloat16"], OFFLOAD,
                  id="bfloat16-moments-and-layer-groups", marks=pytest.mark.slow),
+    # Split masters and 8-bit moments, saved as float32, into float32 state on the device.
+    pytest.param(HOST_KERNEL[:1] + ["optimizer.optimizer_offload_fraction=1.0",
+                                    "optimizer.optimizer_offload_update_on=host_kernel",
+                                    "model.dtype=bfloat16", "optimizer.offload_transfer_dtype=bfloat16",
+                                    "optimizer.exp_avg_dtype=int8", "optimizer.exp_avg_sq_dtype=int8"],
+                 ["model.dtype=bfloat16"] + OFFLOAD, id="compact-host-kernel-to-device",
+                 marks=pytest.mark.slow),
 ])
 def test_a_checkpoint_resumes_under_another_setting_with_its_state_intact(tmp_path, before,
                                                                           after):
