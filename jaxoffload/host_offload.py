@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxoffload import blockwise, host_adam, host_arrays
+from jaxoffload import host_adam, host_arrays
 from jaxoffload._compat import DEVICE_KIND
 from jaxoffload.held_update import HeldUpdate, Piece
 from jaxoffload.host_state import MOMENT_DTYPES, HostState
@@ -61,36 +61,6 @@ Schedule = Union[float, Callable[[int], float]]
 # schedule evaluated at each update would queue behind the device step in
 # flight, and ``hold`` would wait for that step to finish.
 _SCHEDULE_TABLE = 1024
-
-
-def host_bytes_per_element(device_dtype: Any = jnp.float32, *, master_dtype: Any = jnp.float32,
-                           summed: bool = False, moment_bytes: float = 8) -> tuple[int, float]:
-  """The host bytes ``HostAdamW`` holds per element of a leaf, before it allocates them.
-
-  Args:
-    device_dtype: as ``HostAdamW``'s ``device_dtypes``, for the leaf.
-    master_dtype: the weights' dtype, float32 or bfloat16 (its own master).
-    summed: whether ``accumulate`` sums micro-batches' gradients.
-    moment_bytes: both moments' bytes per element (``moment_bytes``).
-
-  Returns:
-    ``(pinned, unpinned)``: the weights the device reads, and what only the host reads:
-    the remainders of a split master, the two moments (with the gradients' float32 sums
-    when ``summed``).
-
-  Example:
-    >>> pinned, unpinned = host_bytes_per_element(jnp.bfloat16)  # (2, 10): a split master.
-  """
-  split = (jnp.dtype(master_dtype) == jnp.float32 and jnp.dtype(device_dtype) == jnp.bfloat16)
-  pinned = jnp.dtype(master_dtype).itemsize - (2 if split else 0)
-  return pinned, (2 if split else 0) + moment_bytes + (4 if summed else 0)
-
-
-def moment_bytes(dtype: Any, shape: tuple[int, ...] = ()) -> float:
-  """A moment's host bytes an element in ``dtype`` (int8: ``jaxoffload.blockwise``'s)."""
-  if blockwise.is_blockwise(dtype):
-    return blockwise.bytes_per_element(shape) if shape else 1 + 4 / blockwise.BLOCK
-  return jnp.dtype(dtype).itemsize
 
 
 class HostAdamW:

@@ -8,6 +8,8 @@ master. The moments are float32, bfloat16 or 8-bit blocks
 (``host_adam.CodedMoment``). ``update_arrays`` hands the kernel one piece's
 arrays of a shard; ``masters`` and ``moments`` give float32 copies for
 checkpoints, and ``load_moments`` takes them back in any of those dtypes.
+``host_bytes_per_element`` and ``moment_bytes`` count its bytes before it
+allocates any (the trainer's host-memory guard).
 """
 
 from __future__ import annotations
@@ -23,6 +25,36 @@ from jaxoffload import blockwise, host_adam, host_arrays, host_kernels
 from jaxoffload._compat import DEVICE_KIND, PINNED_HOST, to_device, to_host
 
 MOMENT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), blockwise.DTYPE)
+
+
+def host_bytes_per_element(device_dtype: Any = jnp.float32, *, master_dtype: Any = jnp.float32,
+                           summed: bool = False, moment_bytes: float = 8) -> tuple[int, float]:
+  """The host bytes ``HostAdamW`` holds per element of a leaf, before it allocates them.
+
+  Args:
+    device_dtype: as ``HostAdamW``'s ``device_dtypes``, for the leaf.
+    master_dtype: the weights' dtype, float32 or bfloat16 (its own master).
+    summed: whether ``accumulate`` sums micro-batches' gradients.
+    moment_bytes: both moments' bytes per element (``moment_bytes``).
+
+  Returns:
+    ``(pinned, unpinned)``: the weights the device reads, and what only the host reads:
+    the remainders of a split master, the two moments (with the gradients' float32 sums
+    when ``summed``).
+
+  Example:
+    >>> pinned, unpinned = host_bytes_per_element(jnp.bfloat16)  # (2, 10): a split master.
+  """
+  split = (jnp.dtype(master_dtype) == jnp.float32 and jnp.dtype(device_dtype) == jnp.bfloat16)
+  pinned = jnp.dtype(master_dtype).itemsize - (2 if split else 0)
+  return pinned, (2 if split else 0) + moment_bytes + (4 if summed else 0)
+
+
+def moment_bytes(dtype: Any, shape: tuple[int, ...] = ()) -> float:
+  """A moment's host bytes an element in ``dtype`` (int8: ``jaxoffload.blockwise``'s)."""
+  if blockwise.is_blockwise(dtype):
+    return blockwise.bytes_per_element(shape) if shape else 1 + 4 / blockwise.BLOCK
+  return jnp.dtype(dtype).itemsize
 
 
 class HostState:

@@ -17,7 +17,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-from jaxoffload import host_offload
+from jaxoffload import host_state
 from jaxoffload.model import group_name
 from jaxoffload.placement import leaf_path
 from jaxoffload.memory import host_rss_bytes, offloaded_activation_bytes, parse_bytes
@@ -159,11 +159,11 @@ def _state(setup: Setup, elements_of) -> tuple[dict[str, int], int, float]:
   for (path, _), shape, sharding, off, fetch, checkpointed in zip(
       paths, shapes, shardings, offloaded, fetched, checkpoints.bytes_per_element(setup)):
     elements = elements_of(shape.shape, sharding)
-    moment_bytes = sum(host_offload.moment_bytes(d, sharding.shard_shape(shape.shape))
+    moment_bytes = sum(host_state.moment_bytes(d, sharding.shard_shape(shape.shape))
                        for d in moments)
     if off and setup.host_kernel:
       wire, weights_read_in = next(transfer)
-      weights, others = host_offload.host_bytes_per_element(
+      weights, others = host_state.host_bytes_per_element(
           weights_read_in, master_dtype=shape.dtype, moment_bytes=moment_bytes)
       split = others - moment_bytes
       # Each step's gradients arrive in pinned memory; micro-batches summed on the host hold

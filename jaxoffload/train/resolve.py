@@ -21,7 +21,7 @@ import optax
 from jax.experimental import multihost_utils
 
 from jaxoffload import autoplace, sharding
-from jaxoffload.host_offload import moment_bytes
+from jaxoffload.host_state import moment_bytes
 from jaxoffload.model import Llama, LlamaConfig, compute_dtypes, group_name
 from jaxoffload.params import abstract_params, logical_param_specs
 from jaxoffload.placement import OffloadPlan, leaf_path, plan_offload
