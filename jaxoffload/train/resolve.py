@@ -189,10 +189,7 @@ def resolve(config: Config) -> Setup:
   if config.optimizer.optimizer_offload_fraction == "auto":
     from jaxoffload.plan import fastest_offload  # The planner resolves settings itself.
     config = fastest_offload(config, log=choices.append)
-  shapes, _ = _param_shapes(config.model.llama(), _layer_ranges(config))
-  o = config.optimizer
-  offload = (plan_offload(shapes, offload_fraction=o.optimizer_offload_fraction)
-             if o.optimizer_cpu_offload else None)
+  offload = _offload_plan(config)
   config, choice = _resolve_update_place(config, offload)
   if choice is not None:
     choices.append(str(choice))
@@ -200,7 +197,7 @@ def resolve(config: Config) -> Setup:
       and importlib.util.find_spec("numba") is None):
     raise ConfigError("optimizer_offload_update_on=host_kernel needs numba: "
                       "pip install 'jaxoffload[host]'")
-  return _placed(config, _mesh(config), data.make(config), tuple(choices))
+  return _placed(config, offload, _mesh(config), data.make(config), tuple(choices))
 
 
 def abstract_setup(config: Config) -> Setup:
@@ -216,11 +213,20 @@ def abstract_setup(config: Config) -> Setup:
     raise ValueError("an auto setting is decided on this machine: resolve the config")
   m = config.mesh
   mesh = jax.sharding.AbstractMesh((m.data, m.fsdp, m.tensor), sharding.MESH_AXES)
-  return _placed(config, mesh, None, ())
+  return _placed(config, _offload_plan(config), mesh, None, ())
 
 
-def _placed(config: Config, mesh: Any, run_data: Optional[data.Data],
-            choices: tuple[str, ...]) -> Setup:
+def _offload_plan(config: Config) -> Optional[OffloadPlan]:
+  """Which leaves' optimizer state ``config`` offloads (None without optimizer offload)."""
+  o = config.optimizer
+  if not o.optimizer_cpu_offload:
+    return None
+  shapes, _ = _param_shapes(config.model.llama(), _layer_ranges(config))
+  return plan_offload(shapes, offload_fraction=o.optimizer_offload_fraction)
+
+
+def _placed(config: Config, offload: Optional[OffloadPlan], mesh: Any,
+            run_data: Optional[data.Data], choices: tuple[str, ...]) -> Setup:
   """The ``Setup`` of a config whose placements are decided, over ``mesh``."""
   groups = rules.layer_groups(config)
   model = config.model.llama()
@@ -229,10 +235,8 @@ def _placed(config: Config, mesh: Any, run_data: Optional[data.Data],
   host_groups = {group_name(g) for g in groups if g.offload_weights}
   fetched = jax.tree_util.tree_map_with_path(
       lambda path, _: leaf_path(path).split("/")[0] in host_groups, shapes)
-  o = config.optimizer
-  offload = (plan_offload(shapes, offload_fraction=o.optimizer_offload_fraction)
-             if o.optimizer_cpu_offload else None)
-  host_kernel = offload is not None and o.optimizer_offload_update_on == "host_kernel"
+  host_kernel = (offload is not None
+                 and config.optimizer.optimizer_offload_update_on == "host_kernel")
   # Weight-offloaded groups live in pinned_host; so do the host kernel's leaves
   # (ZeRO-Offload's split: their weights stay with their optimizer state).
   in_host = fetched if not host_kernel else jax.tree.map(lambda a, b: a or b, fetched,
