@@ -74,9 +74,8 @@ def warnings(config: Config, backend: str) -> list[str]:
       and max(mesh.fsdp, mesh.tensor) > 1):
     lines.append(
         f"warning: optimizer offload streamed through the device on a mesh with fsdp="
-        f"{mesh.fsdp}, tensor={mesh.tensor} was slow on GPUs (2.9x its baseline at fsdp=2) "
-        f"and is not yet measured since each device streams its own shard "
-        f"(docs/performance.md#several-gpus). mesh.data avoids it.")
+        f"{mesh.fsdp}, tensor={mesh.tensor} ran slowly on GPUs "
+        f"(docs/performance.md#several-gpus); mesh.data avoids it.")
   return lines
 
 
