@@ -7,7 +7,7 @@ save everything). Reports XLA's compiled memory estimate, measured
 peak device memory, the activation bytes the arithmetic says offload moves,
 and the median step time.
 
-  python benchmarks/activation_offload.py --out docs/benchmarks/activation_offload
+  python benchmarks/activation_offload.py --out benchmarks/runs/activation_offload
   python benchmarks/activation_offload.py --size miniature --seq 64 --steps 2  # On a CPU.
 """
 
@@ -132,7 +132,7 @@ def main() -> None:
   parser.add_argument("--batch", type=int, default=8)
   parser.add_argument("--seq", type=int, default=2048)
   parser.add_argument("--steps", type=int, default=5)
-  parser.add_argument("--out", default="docs/benchmarks/activation_offload")
+  parser.add_argument("--out", default="benchmarks/runs/activation_offload")
   parser.add_argument("--child", nargs=1, metavar="MODE", help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.child:

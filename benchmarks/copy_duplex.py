@@ -1,6 +1,6 @@
 """Do copies to and from host memory run at once? Four ways to move one buffer each way.
 
-  PYTHONPATH=. python3 benchmarks/copy_duplex.py --gib 2 --out docs/benchmarks/copy_duplex_h200
+  PYTHONPATH=. python3 benchmarks/copy_duplex.py --gib 2 --out benchmarks/runs/copy_duplex_h200
 
 An exact offloaded update must bring its moments in and send them back between
 the backward pass and the next forward pass. If both directions ran at once,
@@ -38,7 +38,7 @@ def main() -> None:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--gib", type=float, default=2.0, help="size of each buffer")
   parser.add_argument("--repeats", type=int, default=10)
-  parser.add_argument("--out", default="docs/benchmarks/copy_duplex")
+  parser.add_argument("--out", default="benchmarks/runs/copy_duplex")
   parser.add_argument("--dump", metavar="FILE",
                       help="also write the compiled program of 'both, one program'")
   args = parser.parse_args()

@@ -138,7 +138,7 @@ def main() -> None:
   parser.add_argument("--dir", default="/tmp/hf_import_checkpoint",
                       help="where the checkpoint is written (and its export, DIR_export)")
   parser.add_argument("--config", help="the trainer config whose placements it imports into")
-  parser.add_argument("--out", default="docs/benchmarks/hf_import")
+  parser.add_argument("--out", default="benchmarks/runs/hf_import")
   parser.add_argument("--child", nargs=1, choices=("make", "fine_tune"), help=argparse.SUPPRESS)
   parser.add_argument("overrides", nargs="*", metavar="section.key=value")
   args = parser.parse_args()

@@ -1,6 +1,6 @@
 """Host AdamW throughput: the numba kernel per thread count and per storage format, against optax.
 
-  python benchmarks/host_adam.py --params 128 --out docs/benchmarks/host_adam
+  python benchmarks/host_adam.py --params 128 --out benchmarks/runs/host_adam
 
 Updates ``--params`` million parameters (with their gradients and moments) in
 place; reports the median of ``--repeats`` steps as G params/s: float32 state
@@ -105,7 +105,7 @@ def main() -> None:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--params", type=int, default=128, help="millions of parameters")
   parser.add_argument("--repeats", type=int, default=5)
-  parser.add_argument("--out", default="docs/benchmarks/host_adam")
+  parser.add_argument("--out", default="benchmarks/runs/host_adam")
   args = parser.parse_args()
   n = args.params * 10**6
   most = host_adam.max_threads()

@@ -66,7 +66,7 @@ def main() -> None:
   parser.add_argument("--ahead", type=int, default=2, help="layers copied in ahead")
   parser.add_argument("--matmul", type=int, default=8192, help="side of compute's matmuls")
   parser.add_argument("--repeats", type=int, default=3)
-  parser.add_argument("--out", default="docs/benchmarks/host_memory_share")
+  parser.add_argument("--out", default="benchmarks/runs/host_memory_share")
   args = parser.parse_args()
 
   n_host, n_stream = int(args.host * 1e6), int(args.stream * 1e6)

@@ -3,7 +3,7 @@
 Each (offload fraction, update placement) runs in a fresh process, so its peak
 device memory is its own. Writes JSON and a markdown table.
 
-  python benchmarks/optimizer_step.py --out docs/benchmarks/optimizer_step
+  python benchmarks/optimizer_step.py --out benchmarks/runs/optimizer_step
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ def main() -> None:
   parser.add_argument("--size", choices=sorted(SIZES), default="tinyllama")
   parser.add_argument("--steps", type=int, default=5)
   parser.add_argument("--chunk-mib", type=int, default=16, help="update_on=device streaming chunk")
-  parser.add_argument("--out", default="docs/benchmarks/optimizer_step")
+  parser.add_argument("--out", default="benchmarks/runs/optimizer_step")
   parser.add_argument("--child", nargs=2, metavar=("FRACTION", "MODE"), help=argparse.SUPPRESS)
   args = parser.parse_args()
 

@@ -1,6 +1,6 @@
 """A table of trainer runs from their JSONL records and logs, each beside its mesh's baseline.
 
-  python benchmarks/runs_table.py RUNS_DIR --out docs/benchmarks/NAME \
+  python benchmarks/runs_table.py RUNS_DIR --out benchmarks/runs/NAME \
       --meta device="2 x NVIDIA H200" jax=0.11.2 date=2026-11-29 command="..."
 
 Run NAME_base is the baseline of NAME_off and NAME_base_again; a run's figures
