@@ -586,3 +586,29 @@ def test_the_overlapped_step_keeps_a_layers_input_only_where_its_backward_pass_r
   trainer.step(setup.global_batch(0))
   assert len(inputs) == setup.model.num_layers
   assert all((x is not None) == takes_input for x in inputs)
+
+
+@pytest.mark.slow
+def test_an_unclipped_overlapped_step_sends_no_gradient_ahead_of_the_hosts_update(monkeypatch):
+  # With no room ahead, each layer's backward program waits until the host has applied
+  # every gradient sent before it: the host never holds more than one program's.
+  from jaxoffload import held_update
+  from jaxoffload.train import overlap
+  monkeypatch.setattr(overlap, "GRADIENT_BYTES_AHEAD", 0)
+  pending = []
+  wait = held_update.HeldUpdate.wait_for_room
+
+  def recorded(self, limit):
+    wait(self, limit)
+    pending.append(self._pending)
+
+  monkeypatch.setattr(held_update.HeldUpdate, "wait_for_room", recorded)
+  config = load_config(None, [f"train.train_iters={STEPS}", *HOST_KERNEL[:1],
+                              "optimizer.optimizer_offload_fraction=1.0", *HOST_KERNEL[2:],
+                              "optimizer.clip_grad=0"])
+  assert resolve(config).overlaps_host_update
+  waited = train(config, log=QUIET)
+  assert pending == [0] * (STEPS * config.model.num_layers)
+  # Waiting changes no number.
+  monkeypatch.setattr(held_update.HeldUpdate, "wait_for_room", lambda self, limit: None)
+  assert train(config, log=QUIET) == waited
