@@ -11,6 +11,7 @@ import numpy as np
 import optax
 from optax import tree_utils as otu
 
+from jaxoffload import blockwise
 from jaxoffload._compat import DEVICE_KIND, PINNED_HOST, to_host
 from jaxoffload.placement import (OffloadMask, OffloadPlan, check_fraction, plan_offload,
                                   replicated_like)
@@ -26,7 +27,9 @@ class ScaleByOffloadedAdamState(NamedTuple):
   """State of ``scale_by_offloaded_adam``; ``mu`` and ``nu`` mirror ``optax.ScaleByAdamState``."""
 
   count: jax.Array  # int32 scalar in device memory: steps taken, for bias correction.
-  mu: optax.Updates  # First moments; the plan's offloaded leaves live in pinned_host.
+  # First moments; the plan's offloaded leaves live in pinned_host. With mu_dtype=int8 a
+  # leaf is a blockwise.BlockwiseMoment (codes and scales).
+  mu: optax.Updates
   nu: optax.Updates  # Second moments; placed like mu.
   plan: OffloadPlan  # Static (no arrays): which leaves are offloaded, fixed at init.
 
@@ -49,9 +52,32 @@ def _is_static_number(x: Any) -> bool:
   return isinstance(x, (int, float))
 
 
-def _zeros(leaf: Any, offloaded: bool, dtype: Optional[Any] = None) -> jax.Array:
-  """A zero moment for ``leaf``, in pinned_host if ``offloaded``, else beside the leaf."""
+def _zeros(leaf: Any, offloaded: bool, dtype: Optional[Any], *, signed: bool) -> Any:
+  """A zero moment for ``leaf``, in pinned_host if ``offloaded``, else beside the leaf.
+
+  int8 makes a ``blockwise.BlockwiseMoment``: codes beside the leaf, scales sharded
+  along the leaf's rows.
+  """
   dtype = dtype or leaf.dtype
+  if blockwise.is_blockwise(dtype):
+    scales = jax.ShapeDtypeStruct(blockwise.scales_shape(leaf.shape), jnp.float32,
+                                  sharding=_scales_sharding(leaf))
+    return blockwise.BlockwiseMoment(
+        _zeros_like(leaf, blockwise.code_dtype(signed), offloaded),
+        _zeros_like(scales, jnp.float32, offloaded))
+  return _zeros_like(leaf, dtype, offloaded)
+
+
+def _scales_sharding(leaf: Any) -> Optional[jax.sharding.Sharding]:
+  """Where a blockwise moment's scales live: split as ``leaf``'s rows are, if they are."""
+  sharding = None if isinstance(leaf, jax.core.Tracer) else getattr(leaf, "sharding", None)
+  if not isinstance(sharding, jax.sharding.NamedSharding):
+    return sharding
+  rows = sharding.spec[0] if leaf.ndim >= 2 and len(sharding.spec) else None
+  return sharding.update(spec=jax.sharding.PartitionSpec(rows, None))
+
+
+def _zeros_like(leaf: Any, dtype: Any, offloaded: bool) -> jax.Array:
   sharding = None if isinstance(leaf, jax.core.Tracer) else getattr(leaf, "sharding", None)
   if sharding is None:  # Traced: jit's sharding propagation places the zeros.
     moment = jnp.zeros(leaf.shape, dtype)
@@ -68,25 +94,40 @@ def _elementwise_adam(hyper: dict, dynamic: tuple[str, ...], stochastic_rounding
 
   Its scalars are the step count and the ``dynamic`` hyperparameters' values;
   the others are the numbers in ``hyper``. The new moments keep their inputs'
-  dtypes, rounded stochastically into bfloat16 with ``stochastic_rounding``.
+  dtypes, rounded stochastically into bfloat16 with ``stochastic_rounding``; a
+  ``blockwise.BlockwiseMoment`` updates as its float32 value and is encoded again.
+  The direction reads the new moments before they are rounded or encoded.
   """
 
   def adam(scalars, device_in, host_in):
     count, *values = scalars
     h = {**hyper, **dict(zip(dynamic, values))}
     (g,), (mu, nu) = device_in, host_in
-    new_mu = otu.tree_update_moment(g, mu, h["b1"], 1)
-    new_nu = otu.tree_update_moment_per_elem_norm(g, nu, h["b2"], 2)
+    new_mu = otu.tree_update_moment(g, _value(mu), h["b1"], 1)
+    new_nu = otu.tree_update_moment_per_elem_norm(g, _value(nu), h["b2"], 2)
     mu_hat = otu.tree_bias_correction(new_mu, h["b1"], count)
     nu_hat = otu.tree_bias_correction(new_nu, h["b2"], count)
     # optax adds eps_root (0.0 in optax.adamw) inside the root; keep its ops.
     direction = mu_hat / (jnp.sqrt(nu_hat + 0.0) + h["eps"])
-    if stochastic_rounding:  # Salted by the step, and differently for the two moments.
-      return (direction,), (stochastic_round(new_mu, 2 * count, mu.dtype),
-                            stochastic_round(new_nu, 2 * count + 1, nu.dtype))
-    return (direction,), (new_mu.astype(mu.dtype), new_nu.astype(nu.dtype))
+    # Salted by the step, and differently for the two moments.
+    return (direction,), (_store(new_mu, mu, 2 * count, stochastic_rounding, signed=True),
+                          _store(new_nu, nu, 2 * count + 1, stochastic_rounding, signed=False))
 
   return adam
+
+
+def _value(moment: Any) -> jax.Array:
+  return moment.value() if isinstance(moment, blockwise.BlockwiseMoment) else moment
+
+
+def _store(new: jax.Array, old: Any, seed: jax.Array, stochastic_rounding: bool, *,
+           signed: bool) -> Any:
+  """``new`` in ``old``'s storage."""
+  if isinstance(old, blockwise.BlockwiseMoment):
+    return blockwise.BlockwiseMoment.of(new, signed=signed)
+  if stochastic_rounding:
+    return stochastic_round(new, seed, old.dtype)
+  return new.astype(old.dtype)
 
 
 def scale_by_offloaded_adam(
@@ -114,9 +155,13 @@ def scale_by_offloaded_adam(
     b1: decay rate of the first moment.
     b2: decay rate of the second moment.
     eps: added to the denominator's square root.
-    mu_dtype: dtype of the first moment; None keeps the parameters' dtype.
-    nu_dtype: dtype of the second moment; None keeps the parameters' dtype.
-    stochastic_rounding: round the moments into bfloat16 up or down at random
+    mu_dtype: dtype of the first moment; None keeps the parameters' dtype. int8
+      stores 8-bit blocks (``jaxoffload.blockwise``: a byte an element and a
+      float32 scale per 256 elements of a row, as torchao's ``AdamW8bit``),
+      encoded to the nearest level; the state leaf is then a
+      ``blockwise.BlockwiseMoment``. Offloaded 8-bit moments need ``update_on="host"``.
+    nu_dtype: dtype of the second moment, likewise.
+    stochastic_rounding: round floating moments into bfloat16 up or down at random
       (``jaxoffload.rounding``) rather than to nearest, which leaves a bfloat16
       ``nu`` stuck: its per-step decay is below half a bfloat16 step.
     offload_fraction: share of parameter elements whose moments go to host
@@ -167,6 +212,13 @@ def scale_by_offloaded_adam(
                      f"update_on='device', got {update_on!r}")
   mu_dtype = None if mu_dtype is None else jax.dtypes.canonicalize_dtype(mu_dtype)
   nu_dtype = None if nu_dtype is None else jax.dtypes.canonicalize_dtype(nu_dtype)
+  for name, dtype in (("mu_dtype", mu_dtype), ("nu_dtype", nu_dtype)):
+    if dtype is not None and not jnp.issubdtype(dtype, jnp.floating) and (
+        not blockwise.is_blockwise(dtype)):
+      raise ValueError(f"{name} must be a floating dtype or int8 (8-bit blocks), got {dtype}")
+    if blockwise.is_blockwise(dtype) and update_on == "device":
+      raise ValueError(f"{name}=int8 keeps 8-bit blocks, which update where they live: "
+                       f"offloaded ones on the host; use update_on='host', got 'device'")
 
   def init_fn(params):
     _check_float_leaves(params)
@@ -184,8 +236,10 @@ def scale_by_offloaded_adam(
     if count_sharding is not None:
       count = jax.device_put(count, count_sharding)
     return ScaleByOffloadedAdamState(
-        count=count, mu=jax.tree.map(lambda p, o: _zeros(p, o, mu_dtype), params, plan.mask),
-        nu=jax.tree.map(lambda p, o: _zeros(p, o, nu_dtype), params, plan.mask), plan=plan)
+        count=count,
+        mu=jax.tree.map(lambda p, o: _zeros(p, o, mu_dtype, signed=True), params, plan.mask),
+        nu=jax.tree.map(lambda p, o: _zeros(p, o, nu_dtype, signed=False), params, plan.mask),
+        plan=plan)
 
   def update_fn(updates, state, params=None):
     del params

@@ -28,7 +28,7 @@ Example:
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -84,6 +84,25 @@ def _unblocks(blocks: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   return blocks.reshape(count, -1)[:, :length].reshape(shape)
 
 
+class BlockwiseMoment(NamedTuple):
+  """A moment in this format inside a JAX state (a pytree of two arrays, as optax states hold).
+
+  ``jaxoffload.host_adam.CodedMoment`` is the same format in numpy arrays.
+  """
+
+  codes: jax.Array  # int8 for a first moment, uint8 for a second; the moment's shape.
+  scales: jax.Array  # float32, ``scales_shape``: each block's largest magnitude.
+
+  @classmethod
+  def of(cls, x: jax.Array, *, signed: bool) -> "BlockwiseMoment":
+    """``x`` encoded: signed for a first moment, else a second."""
+    return cls(*encode(x, signed=signed))
+
+  def value(self) -> jax.Array:
+    """The float32 moment stored."""
+    return decode(self.codes, self.scales, signed=self.codes.dtype == jnp.int8)
+
+
 def level(codes: jax.Array, *, signed: bool) -> jax.Array:
   """The level of each code's magnitude, a fraction of its block's scale."""
   codes = codes.astype(jnp.float32)
@@ -101,7 +120,8 @@ def encode(x: jax.Array, *, signed: bool) -> tuple[jax.Array, jax.Array]:
   x = x.astype(jnp.float32)
   blocks = _blocks(x)
   scales = jnp.max(jnp.abs(blocks), axis=-1)
-  inverse = jnp.where(scales > 0, 1 / jnp.where(scales > 0, scales, 1), 0).astype(jnp.float32)
+  # A zero block divides zeros by the smallest normal number: its codes are zeros.
+  inverse = 1 / jnp.maximum(scales, jnp.finfo(jnp.float32).tiny)
   root = jnp.sqrt(jnp.abs(blocks) * inverse[..., None])
   if not signed:
     root = jnp.sqrt(root)

@@ -33,6 +33,7 @@ MOMENTS = ("float32", "bfloat16", "int8")
 _HASH_1, _HASH_2 = rounding.HASH_MULTIPLIERS
 _SIGNED_STEP, _UNSIGNED_STEP = blockwise.SIGNED_STEP, blockwise.UNSIGNED_STEP
 _BLOCK = blockwise.BLOCK
+_TINY = np.float32(np.finfo(np.float32).tiny)
 
 
 def require_numba() -> None:
@@ -109,8 +110,8 @@ def _blocks(size, row_length):
 
 @_jit_inline
 def _inverse(scale):
-  # jaxoffload.blockwise's inverse scale: 0 for an all-zero block.
-  return np.float32(1) / scale if scale > 0 else np.float32(0)
+  # jaxoffload.blockwise's inverse scale; an all-zero block's codes come out zero.
+  return np.float32(1) / max(scale, _TINY)
 
 
 @_jit_inline

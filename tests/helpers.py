@@ -58,6 +58,18 @@ def train(opt, params, steps, *, jit=True, on_state=None, pin_out_shardings=True
   return params, state, step
 
 
+def float64_adamw(param, grads, learning_rates, *, b1, b2, eps, weight_decay):
+  """AdamW in float64, the textbook way, one step per gradient and learning rate."""
+  param, mu, nu = np.asarray(param, np.float64), 0.0, 0.0
+  for count, (grad, lr) in enumerate(zip(grads, learning_rates), start=1):
+    grad = np.asarray(grad, np.float64)
+    mu = b1 * mu + (1 - b1) * grad
+    nu = b2 * nu + (1 - b2) * grad**2
+    mu_hat, nu_hat = mu / (1 - b1**count), nu / (1 - b2**count)
+    param = param - lr * (mu_hat / (np.sqrt(nu_hat) + eps) + weight_decay * param)
+  return param
+
+
 def max_rel_diff(a, b):
   """The largest max|a - b| / max|b| over the leaves, computed in float64."""
   worst = 0.0

@@ -8,21 +8,14 @@ import optax
 import pytest
 
 from jaxoffload import blockwise, host_adam, host_kernels, rounding
+from tests import helpers
 
 HYPER = dict(b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
 SCHEDULE = [3e-3, 2e-3, 1e-3, 1e-3, 5e-4]
 
 
 def float64_adamw(param, grads):
-  """AdamW in float64, the textbook way, for ``len(grads)`` steps."""
-  param, mu, nu = param.astype(np.float64), 0.0, 0.0
-  for count, (grad, lr) in enumerate(zip(grads, SCHEDULE), start=1):
-    grad = grad.astype(np.float64)
-    mu = HYPER["b1"] * mu + (1 - HYPER["b1"]) * grad
-    nu = HYPER["b2"] * nu + (1 - HYPER["b2"]) * grad**2
-    mu_hat, nu_hat = mu / (1 - HYPER["b1"]**count), nu / (1 - HYPER["b2"]**count)
-    param = param - lr * (mu_hat / (np.sqrt(nu_hat) + HYPER["eps"]) + HYPER["weight_decay"] * param)
-  return param
+  return helpers.float64_adamw(param, grads, SCHEDULE, **HYPER)
 
 
 @pytest.fixture
