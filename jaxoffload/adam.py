@@ -60,21 +60,13 @@ def _zeros(leaf: Any, offloaded: bool, dtype: Optional[Any], *, signed: bool) ->
   """
   dtype = dtype or leaf.dtype
   if blockwise.is_blockwise(dtype):
+    sharding = None if isinstance(leaf, jax.core.Tracer) else getattr(leaf, "sharding", None)
     scales = jax.ShapeDtypeStruct(blockwise.scales_shape(leaf.shape), jnp.float32,
-                                  sharding=_scales_sharding(leaf))
+                                  sharding=blockwise.scales_sharding(sharding, leaf.ndim))
     return blockwise.BlockwiseMoment(
         _zeros_like(leaf, blockwise.code_dtype(signed), offloaded),
         _zeros_like(scales, jnp.float32, offloaded))
   return _zeros_like(leaf, dtype, offloaded)
-
-
-def _scales_sharding(leaf: Any) -> Optional[jax.sharding.Sharding]:
-  """Where a blockwise moment's scales live: split as ``leaf``'s rows are, if they are."""
-  sharding = None if isinstance(leaf, jax.core.Tracer) else getattr(leaf, "sharding", None)
-  if not isinstance(sharding, jax.sharding.NamedSharding):
-    return sharding
-  rows = sharding.spec[0] if leaf.ndim >= 2 and len(sharding.spec) else None
-  return sharding.update(spec=jax.sharding.PartitionSpec(rows, None))
 
 
 def _zeros_like(leaf: Any, dtype: Any, offloaded: bool) -> jax.Array:
@@ -216,14 +208,16 @@ def scale_by_offloaded_adam(
     if dtype is not None and not jnp.issubdtype(dtype, jnp.floating) and (
         not blockwise.is_blockwise(dtype)):
       raise ValueError(f"{name} must be a floating dtype or int8 (8-bit blocks), got {dtype}")
-    if blockwise.is_blockwise(dtype) and update_on == "device":
-      raise ValueError(f"{name}=int8 keeps 8-bit blocks, which update where they live: "
-                       f"offloaded ones on the host; use update_on='host', got 'device'")
 
   def init_fn(params):
     _check_float_leaves(params)
     plan = plan_offload(params, offload_fraction=check_fraction(offload_fraction),
                         offload_mask=offload_mask)
+    blocks = [n for n, d in (("mu_dtype", mu_dtype), ("nu_dtype", nu_dtype))
+              if blockwise.is_blockwise(d)]
+    if blocks and update_on == "device" and any(plan.offloaded):
+      raise ValueError(f"{blocks[0]}=int8 keeps 8-bit blocks, which update where they live: "
+                       f"offloaded ones on the host; use update_on='host', got 'device'")
     if shardings is not None:
       try:
         given = plan.treedef.flatten_up_to(shardings)

@@ -66,6 +66,14 @@ def scales_shape(shape: tuple[int, ...]) -> tuple[int, int]:
   return count, -(-length // BLOCK)
 
 
+def scales_sharding(sharding: Any, ndim: int) -> Any:
+  """Where a moment's scales live, given its codes' ``sharding``: split as its rows are."""
+  if not isinstance(sharding, jax.sharding.NamedSharding):
+    return sharding
+  rows = sharding.spec[0] if ndim >= 2 and len(sharding.spec) else None
+  return sharding.update(spec=jax.sharding.PartitionSpec(rows, None))
+
+
 def bytes_per_element(shape: tuple[int, ...]) -> float:
   """What a moment of ``shape`` holds an element: its code and its share of the scales."""
   return 1 + 4 * math.prod(scales_shape(shape)) / max(math.prod(shape), 1)
@@ -103,11 +111,19 @@ class BlockwiseMoment(NamedTuple):
     return decode(self.codes, self.scales, signed=self.codes.dtype == jnp.int8)
 
 
+# Each code magnitude's level, as code**2 * SIGNED_STEP (or code**4 * UNSIGNED_STEP) rounds it
+# in float32. Looked up rather than multiplied: XLA reassociates a multiplication by a
+# constant with the scale's, which rounds otherwise than the host kernel.
+_LEVELS = {True: np.arange(128, dtype=np.float32)**2 * SIGNED_STEP,
+           False: (np.arange(256, dtype=np.float32)**2)**2 * UNSIGNED_STEP}
+
+
 def level(codes: jax.Array, *, signed: bool) -> jax.Array:
   """The level of each code's magnitude, a fraction of its block's scale."""
-  codes = codes.astype(jnp.float32)
-  square = codes * codes
-  return square * SIGNED_STEP if signed else (square * square) * UNSIGNED_STEP
+  table = jnp.asarray(_LEVELS[signed])
+  if jax.typeof(codes).memory_space == jax.memory.Space.Host:  # Updated by the host CPU.
+    table = jax.device_put(table, jax.memory.Space.Host)
+  return table[jnp.abs(codes.astype(jnp.int32))]
 
 
 def encode(x: jax.Array, *, signed: bool) -> tuple[jax.Array, jax.Array]:

@@ -20,6 +20,7 @@ from jaxoffload.train.config import ConfigError
 QUIET = lambda _: None
 HOST_KERNEL = ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5",
                "optimizer.optimizer_offload_update_on=host_kernel"]
+OFFLOAD = HOST_KERNEL[:2]
 
 
 @pytest.mark.parametrize("offload", [
@@ -36,12 +37,16 @@ HOST_KERNEL = ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offl
     pytest.param(HOST_KERNEL + ["train.micro_batch_size=4",
                                 "optimizer.accumulate_offloaded_grads_on=device",
                                 "optimizer.grad_accum_dtype=bfloat16"], marks=pytest.mark.slow),
+    # 8-bit moments in pinned_host, saved as float32 values and encoded again on resume.
+    pytest.param(OFFLOAD + ["optimizer.optimizer_offload_update_on=host",
+                            "optimizer.exp_avg_dtype=int8", "optimizer.exp_avg_sq_dtype=int8"],
+                 marks=pytest.mark.slow),
     # Tokenized text with a held-out split and evaluations: the batches are a
     # function of the step, and the evaluations' losses land in the records.
     pytest.param(["data.dataset=text", "data.tokenizer=tests/fixtures/tiny_llama",
                   "eval.interval=3", "eval.iters=2"], marks=pytest.mark.slow),
 ], ids=["plain", "host-kernel", "host-kernel-bfloat16", "host-kernel-bfloat16-moments",
-         "host-kernel-overlapped-bfloat16-sums", "text-with-evaluation"])
+         "host-kernel-overlapped-bfloat16-sums", "offloaded-8-bit-moments", "text-with-evaluation"])
 def test_resume_continues_exactly(tmp_path, offload):
   whole = train(load_config(None, ["train.train_iters=10", *offload]), log=QUIET)
   with_checkpoints = load_config(None, ["train.train_iters=10", f"checkpoint.dir={tmp_path}",
@@ -233,7 +238,6 @@ def one_stack(tree, num_layers):
   return regroup(jax.tree.map(np.asarray, tree), layer_groups(num_layers))
 
 
-OFFLOAD = ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5"]
 ACTIVATIONS = ["model.cpu_offloading=True", "model.cpu_offloading_num_layers=1"]
 
 
@@ -253,6 +257,10 @@ ACTIVATIONS = ["model.cpu_offloading=True", "model.cpu_offloading_num_layers=1"]
                                     "optimizer.exp_avg_dtype=int8", "optimizer.exp_avg_sq_dtype=int8"],
                  ["model.dtype=bfloat16"] + OFFLOAD, id="compact-host-kernel-to-device",
                  marks=pytest.mark.slow),
+    # 8-bit moments on the device into the host kernel's 8-bit moments.
+    pytest.param(["optimizer.exp_avg_dtype=int8", "optimizer.exp_avg_sq_dtype=int8"],
+                 HOST_KERNEL + ["optimizer.exp_avg_dtype=int8", "optimizer.exp_avg_sq_dtype=int8"],
+                 id="8-bit-moments-device-to-host-kernel"),
 ])
 def test_a_checkpoint_resumes_under_another_setting_with_its_state_intact(tmp_path, before,
                                                                           after):

@@ -78,7 +78,12 @@ def test_eight_bit_moments_cannot_stream_through_the_device():
   with pytest.raises(ValueError, match="mu_dtype=int8 keeps 8-bit blocks, which update where "
                                        "they live: offloaded ones on the host; use "
                                        "update_on='host', got 'device'"):
-    jaxoffload.scale_by_offloaded_adam(mu_dtype=jnp.int8, update_on="device")
+    jaxoffload.scale_by_offloaded_adam(mu_dtype=jnp.int8, update_on="device").init(
+        {"w": jnp.zeros(4)})
+  # Where none is offloaded, none streams.
+  opt = jaxoffload.scale_by_offloaded_adam(mu_dtype=jnp.int8, update_on="device",
+                                           offload_fraction=0.0)
+  assert opt.init({"w": jnp.zeros(4)}).mu["w"].codes.dtype == jnp.int8
 
 
 def test_a_moment_dtype_that_is_neither_floating_nor_int8_is_named():

@@ -202,10 +202,10 @@ def test_every_shipped_config_trains_at_a_tiny_width(path):
      "optimizer.exp_avg_sq_dtype must be one of [None, 'float32', 'bfloat16', 'int8'], got "
      "'float16'"),
     (["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5",
-      "optimizer.optimizer_offload_update_on=host_kernel", "optimizer.exp_avg_dtype=int8"],
-     "optimizer.exp_avg_dtype=int8 (8-bit blocks) is kept by the host kernel alone: it needs "
-     "optimizer.optimizer_cpu_offload=True, optimizer.optimizer_offload_fraction=1.0 and "
-     "optimizer.optimizer_offload_update_on=host_kernel"),
+      "optimizer.optimizer_offload_update_on=device", "optimizer.exp_avg_dtype=int8"],
+     "optimizer.exp_avg_dtype=int8 (8-bit blocks) updates where the blocks live, not streamed "
+     "through the device: set optimizer.optimizer_offload_update_on to host_kernel, host or "
+     "auto, got 'device'"),
 ])
 def test_host_kernel_settings_are_checked(overrides, message):
   with pytest.raises(ConfigError, match=re.escape(message)):

@@ -154,9 +154,10 @@ class OptimizerConfig:
       stochastically (``jaxoffload.rounding``) so that training tracks float32
       ([performance](performance.md#compact-optimizer-state)). int8: 8-bit blockwise
       (torchao's AdamW8bit, bitsandbytes' 8-bit Adam): a byte an element and a float32
-      scale per block of 256 elements of a row (``jaxoffload.blockwise``), rounded
-      stochastically; with the host kernel. The host kernel rounds as the device does,
-      bit for bit.
+      scale per block of 256 elements of a row (``jaxoffload.blockwise``), each element
+      the nearest level; kept on the device, by the host kernel or with
+      optimizer_offload_update_on=host, not streamed (device). The host kernel rounds
+      and encodes as the device does, bit for bit.
     exp_avg_sq_dtype: the same for the second moment.
     main_params_dtype: dtype of the parameters the optimizer updates (Megatron-Core's
       name); null: model.params_dtype, which it must equal: jaxoffload keeps no second

@@ -85,7 +85,8 @@ def lowering_keys(setup: Setup) -> dict[str, list[str]]:
   smaller = lambda compact: [f"optimizer.{key}={compact}" for key, dtype in
                              zip(("exp_avg_dtype", "exp_avg_sq_dtype"), moments)
                              if jnp.dtype(dtype).itemsize > jnp.dtype(compact).itemsize]
-  keys = {"optimizer state": fraction + smaller("bfloat16"),
+  streamed = o.optimizer_offload_update_on == "device"  # Which cannot keep 8-bit blocks.
+  keys = {"optimizer state": fraction + smaller("bfloat16" if streamed else "int8"),
           "offloaded weights": ["model.cpu_offloading_num_layers"],
           "offloaded activations": ["model.cpu_offloading_num_layers", "train.micro_batch_size"],
           "saving a checkpoint": ["no checkpoint.dir"]}
@@ -95,10 +96,9 @@ def lowering_keys(setup: Setup) -> dict[str, list[str]]:
     keys["host kernel gradients"] = (
         ["optimizer.offload_transfer_dtype=bfloat16"]
         if o.offload_transfer_dtype == "float32" and m.dtype == "bfloat16" else [])
-    keys["host kernel moments and sums"] = fraction + (
-        smaller("int8") if o.optimizer_offload_fraction == 1.0 else smaller("bfloat16")) + (
+    keys["host kernel moments and sums"] = fraction + smaller("int8") + (
         ["optimizer.accumulate_offloaded_grads_on=device"] if setup.sums_on_host else [])
-    if "int8" not in moments:  # 8-bit moments are the host kernel's alone.
+    if "int8" not in moments:  # The device's streamed update cannot keep 8-bit moments.
       keys["saving a checkpoint"].insert(0, "optimizer.optimizer_offload_update_on=device "
                                             "(whose saves copy less)")
   return keys

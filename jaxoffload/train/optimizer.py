@@ -8,12 +8,15 @@ masked to the device leaves beside a ``HostAdamW`` for the rest.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import optax
 
 import jaxoffload
+from jaxoffload import blockwise
 from jaxoffload._compat import DEVICE_KIND, PINNED_HOST
 from jaxoffload.host_offload import HostAdamW
 from jaxoffload.placement import leaf_path
@@ -88,19 +91,61 @@ def device_shapes(setup: Setup) -> Any:
 
 def state_shardings(setup: Setup, state: Any) -> Any:
   """Where each leaf of the optimizer state lives: a moment beside its parameter, in
-  pinned_host where the plan offloads it, and a scalar replicated over the mesh (so that
-  step 1 sees the placements every later step sees, and the step compiles once)."""
+  pinned_host where the plan offloads it (8-bit blocks' scales split as its rows are), and a
+  scalar replicated over the mesh (so that step 1 sees the placements every later step sees,
+  and the step compiles once)."""
   offloaded = (setup.offload.offloaded if setup.offload is not None and not setup.host_kernel
                else (False,) * len(jax.tree.leaves(setup.param_shapes)))
-  beside = {leaf_path(path): s.with_memory_kind(PINNED_HOST if off else DEVICE_KIND)
-            for (path, s), off in zip(
-                jax.tree_util.tree_flatten_with_path(setup.param_shardings)[0], offloaded)}
+  beside = {leaf_path(path): (s.with_memory_kind(PINNED_HOST if off else DEVICE_KIND), p.ndim)
+            for (path, s), p, off in zip(
+                jax.tree_util.tree_flatten_with_path(setup.param_shardings)[0],
+                jax.tree.leaves(setup.param_shapes), offloaded)}
   replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
 
   def place(path, leaf):
     if not leaf.shape:
       return replicated
     state_path = leaf_path(path)  # Ends with its parameter's: "1/0/mu/embed/embedding".
-    return beside[max((p for p in beside if state_path.endswith("/" + p)), key=len)]
+    part = path[-1].name if isinstance(path[-1], jax.tree_util.GetAttrKey) else None
+    if part in blockwise.BlockwiseMoment._fields:  # ".../embed/embedding/codes"
+      state_path = state_path.rsplit("/", 1)[0]
+    sharding, ndim = beside[max((p for p in beside if state_path.endswith("/" + p)), key=len)]
+    return blockwise.scales_sharding(sharding, ndim) if part == "scales" else sharding
 
   return jax.tree_util.tree_map_with_path(place, state)
+
+
+def _is_blocks(x: Any) -> bool:
+  return isinstance(x, blockwise.BlockwiseMoment)
+
+
+def moment_values(moments: Any) -> Any:
+  """``moments`` with each 8-bit one (``blockwise.BlockwiseMoment``) as its float32 value,
+  where its codes are: what a checkpoint holds."""
+  value = lambda m: jax.jit(blockwise.BlockwiseMoment.value, out_shardings=m.codes.sharding)(m)
+  return jax.tree.map(lambda m: value(m) if _is_blocks(m) else m, moments, is_leaf=_is_blocks)
+
+
+def value_targets(abstract: Any, shardings: Any) -> Any:
+  """``moment_values``' shapes, dtypes and placements, for moments like ``abstract`` placed
+  at ``shardings``: where a checkpoint's moments are read to."""
+
+  def target(x, sharding):
+    if _is_blocks(x):
+      return jax.ShapeDtypeStruct(x.codes.shape, jnp.float32, sharding=sharding.codes)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+  return jax.tree.map(target, abstract, shardings, is_leaf=_is_blocks)
+
+
+def stored_moments(values: Any, abstract: Any, shardings: Any) -> Any:
+  """``values`` (``moment_values``') stored as ``abstract``'s leaves are: encoded into 8-bit
+  blocks placed at ``shardings`` where ``abstract`` has them."""
+
+  def store(value, x, sharding):
+    if not _is_blocks(x):
+      return value
+    encode = functools.partial(blockwise.BlockwiseMoment.of, signed=x.codes.dtype == jnp.int8)
+    return jax.jit(encode, out_shardings=sharding)(value)
+
+  return jax.tree.map(store, values, abstract, shardings)

@@ -372,6 +372,8 @@ def _resolve_update_place(config: Config, offload: Optional[OffloadPlan]
       config, optimizer=dataclasses.replace(o, optimizer_offload_update_on=p))
   if offload is None:
     return place("device"), None
+  if "int8" in rules.moment_dtypes(config):  # 8-bit blocks are not streamed (rules).
+    return place("host_kernel" if importlib.util.find_spec("numba") else "host"), None
   choice = price_updates(config, offload, autoplace.measure_machine(),
                          host_kernel=importlib.util.find_spec("numba") is not None)
   if jax.process_count() > 1:

@@ -18,7 +18,7 @@ from jaxoffload.train.config import Config, ConfigError
 from jaxoffload.train.tokenizer import BYTE_VOCAB_SIZE
 
 DTYPES = ("float32", "bfloat16")
-# Adam's moments may also be 8-bit blocks (jaxoffload.blockwise), on the host kernel.
+# Adam's moments may also be 8-bit blocks (jaxoffload.blockwise).
 MOMENT_DTYPES = DTYPES + ("int8",)
 ATTENTION_IMPLEMENTATIONS = (None, "xla", "cudnn")
 CUDA_GRAPH_IMPLS = ("none", "local", "transformer_engine")
@@ -268,12 +268,11 @@ def host_update_overlap_blocker(config: Config) -> Optional[str]:
 def _check_host_kernel(config: Config) -> None:
   m, o = config.model, config.optimizer
   for key, dtype in (("exp_avg_dtype", o.exp_avg_dtype), ("exp_avg_sq_dtype", o.exp_avg_sq_dtype)):
-    if dtype == "int8" and not (o.optimizer_cpu_offload and o.optimizer_offload_fraction == 1.0
-                                and o.optimizer_offload_update_on == "host_kernel"):
-      raise ConfigError(f"optimizer.{key}=int8 (8-bit blocks) is kept by the host kernel alone: "
-                        f"it needs optimizer.optimizer_cpu_offload=True, "
-                        f"optimizer.optimizer_offload_fraction=1.0 and "
-                        f"optimizer.optimizer_offload_update_on=host_kernel")
+    if dtype == "int8" and o.optimizer_cpu_offload and o.optimizer_offload_update_on == "device":
+      raise ConfigError(f"optimizer.{key}=int8 (8-bit blocks) updates where the blocks live, "
+                        f"not streamed through the device: set "
+                        f"optimizer.optimizer_offload_update_on to host_kernel, host or auto, "
+                        f"got 'device'")
   if o.offload_transfer_dtype != "float32":
     if o.optimizer_offload_update_on not in ("host_kernel", "auto"):
       raise ConfigError(f"optimizer.offload_transfer_dtype={o.offload_transfer_dtype} needs "

@@ -22,7 +22,8 @@ from jaxoffload.host_offload import HostAdamW
 from jaxoffload.memory import compiled_device_bytes
 from jaxoffload.model import Llama
 from jaxoffload.params import init_params
-from jaxoffload.train.optimizer import Moments, device_shapes, host_adamw
+from jaxoffload.train.optimizer import (Moments, device_shapes, host_adamw, moment_values,
+                                       stored_moments, value_targets)
 from jaxoffload.train.overlap import OverlappedStep
 from jaxoffload.train.programs import StepPrograms
 from jaxoffload.train.resolve import Setup
@@ -196,7 +197,7 @@ class Trainer:
     leaves as its float32 weights), and ``mu`` and ``nu`` like it. Any setting of the same
     model resumes from it (``restore_targets``). Host-resident leaves are the live buffers:
     save them before the next step (``Setup.state_in_host_memory``)."""
-    mu, nu = (otu.tree_get(self.opt_state, name) for name in ("mu", "nu"))
+    mu, nu = (moment_values(otu.tree_get(self.opt_state, name)) for name in ("mu", "nu"))
     if self.host is None:
       return {"params": self.programs.tree(self.params, []), "mu": mu, "nu": nu}
     self.host.apply_held()  # The overlapped step's update is part of this state.
@@ -218,9 +219,8 @@ class Trainer:
     host = [jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=None)
             for p in self.programs.host_leaves(jax.tree.leaves(self.setup.param_shapes))]
     for name in ("mu", "nu"):
-      placed = jax.tree.leaves(jax.tree.map(
-          like, otu.tree_get(self.programs.abstract_state, name),
-          otu.tree_get(self.programs.state_shardings, name)))
+      placed = jax.tree.leaves(value_targets(otu.tree_get(self.programs.abstract_state, name),
+                                             otu.tree_get(self.programs.state_shardings, name)))
       targets[name] = self.programs.tree(placed, host)
     return targets
 
@@ -231,9 +231,13 @@ class Trainer:
     if self.host is not None:
       picked = lambda leaves: (read(x) for x, h in zip(leaves, self.programs.is_host) if h)
       self.host.load_moments({"count": moments.count, "mu": picked(mu), "nu": picked(nu)})
-    unflatten = lambda leaves: self.programs.treedef.unflatten(
-        [optax.MaskedNode() if h else x for x, h in zip(leaves, self.programs.is_host)])
-    state = otu.tree_set(self.programs.abstract_state, mu=unflatten(mu), nu=unflatten(nu))
+    # The device optimizer's moments, 8-bit ones encoded from the float32 values read.
+    stored = lambda leaves, name: stored_moments(
+        self.programs.treedef.unflatten(
+            [optax.MaskedNode() if h else x for x, h in zip(leaves, self.programs.is_host)]),
+        otu.tree_get(self.programs.abstract_state, name),
+        otu.tree_get(self.programs.state_shardings, name))
+    state = otu.tree_set(self.programs.abstract_state, mu=stored(mu, "mu"), nu=stored(nu, "nu"))
     # What is left unset is the step counts, each its own buffer (the step donates them).
     self.opt_state = jax.tree.map(
         lambda x, s: x if isinstance(x, jax.Array) else jax.device_put(
