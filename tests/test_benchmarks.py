@@ -45,6 +45,8 @@ def test_every_benchmark_has_help(script, capsys, monkeypatch):
       "unclipped-float32-weights", "model.dtype=bfloat16"], "step_ratio"),
     (["benchmarks/host_memory_share.py", "--host", "0.1", "--stream", "0.1", "--layers", "2",
       "--matmul", "64", "--repeats", "1"], "parts"),
+    (["benchmarks/compact_quality.py", "--source", "jaxoffload/plan", "--steps", "4",
+      "--eval-interval", "2", "--eval-iters", "1", "--settings", "0,2"], "eval_loss"),
     # The calibration that exploring needs has a test of its own (test_plan).
     (["benchmarks/planner.py", "--steps", "2", "--offload-only", "train.global_batch_size=2",
       "train.micro_batch_size=2"], "ran"),

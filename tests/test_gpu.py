@@ -4,15 +4,16 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
 import jaxoffload
-from jaxoffload import remat
+from jaxoffload import host_adam, remat
 from jaxoffload.memory import activation_bytes
 from jaxoffload.model import Llama, LlamaConfig, next_token_loss
 from jaxoffload.params import init_params, regroup
-from tests.helpers import max_rel_diff, train
+from tests.helpers import grads_at, max_rel_diff, train
 
 pytestmark = pytest.mark.gpu
 
@@ -42,6 +43,24 @@ def test_offloaded_moments_leave_device_memory(update_on):
   device_bytes = lambda a: a.argument_size_in_bytes + a.temp_size_in_bytes
   saved = device_bytes(baseline) - device_bytes(offloaded)
   assert saved >= 0.95 * moment_bytes, (saved, moment_bytes)
+
+
+@pytest.mark.parametrize("fraction", [0.0, 1.0])
+def test_eight_bit_moments_update_on_the_host_cpu_or_the_gpu_as_the_host_kernel_does(fraction):
+  params = {"w": jax.random.normal(jax.random.PRNGKey(1), (64, 1000))}
+  opt = jaxoffload.offload_adamw(1e-3, mu_dtype=jnp.int8, nu_dtype=jnp.int8,
+                                 offload_fraction=fraction)
+  got, state, _ = train(opt, params, 3)
+  assert state[0].mu["w"].codes.sharding.memory_kind == ("pinned_host" if fraction else "device")
+  weights = np.array(params["w"])
+  mu = host_adam.CodedMoment.zeros(weights.shape, signed=True)
+  nu = host_adam.CodedMoment.zeros(weights.shape, signed=False)
+  for count in range(1, 4):
+    host_adam.adamw_update(weights, np.asarray(grads_at(params, count - 1)["w"]), mu, nu,
+                           learning_rate=1e-3, count=count)
+  # The GPU may round a square root or division otherwise: a code in a thousand may differ.
+  assert np.mean(np.asarray(state[0].mu["w"].codes) == mu.codes) > 0.999
+  np.testing.assert_allclose(np.asarray(got["w"]), weights, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["one-piece-at-a-time", "overlapped"])
