@@ -58,8 +58,11 @@ def test_eight_bit_moments_update_on_the_host_cpu_or_the_gpu_as_the_host_kernel_
   for count in range(1, 4):
     host_adam.adamw_update(weights, np.asarray(grads_at(params, count - 1)["w"]), mu, nu,
                            learning_rate=1e-3, count=count)
-  # The GPU may round a square root or division otherwise: a code in a thousand may differ.
-  assert np.mean(np.asarray(state[0].mu["w"].codes) == mu.codes) > 0.999
+  # The GPU fuses multiply-adds, rounding a moment otherwise in its last bit: a code on a
+  # boundary between two levels may take the neighbouring one.
+  for moment, host in ((state[0].mu["w"], mu), (state[0].nu["w"], nu)):
+    apart = np.abs(np.asarray(moment.codes, np.int32) - host.codes.astype(np.int32))
+    assert apart.max() <= 1 and np.mean(apart == 0) > 0.99, np.mean(apart == 0)
   np.testing.assert_allclose(np.asarray(got["w"]), weights, rtol=0, atol=1e-5)
 
 

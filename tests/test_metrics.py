@@ -110,6 +110,24 @@ def test_out_of_device_memory_names_the_keys_and_writes_the_memory_profile(tmp_p
                     "8); model.recompute_granularity=selective or full (docs/config.md).")
 
 
+def test_out_of_pinned_host_memory_names_the_pool_limit(capsys, monkeypatch):
+  def out_of_pinned_memory(config):
+    raise jax.errors.JaxRuntimeError(
+        "RESOURCE_EXHAUSTED: Out of host memory while trying to allocate 6.59GiB with allocator "
+        "xla_gpu_host_bfc on device 0.")
+
+  monkeypatch.setattr(train_main, "train", out_of_pinned_memory)
+  monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "37")
+  with pytest.raises(SystemExit) as exit_:
+    train_main.main([])
+  assert exit_.value.code == 1
+  assert capsys.readouterr().err == (
+      "error: out of XLA's pinned host memory: RESOURCE_EXHAUSTED: Out of host memory while "
+      "trying to allocate 6.59GiB with allocator xla_gpu_host_bfc on device 0.; each GPU's pool "
+      "stops at XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=37 GiB: start again with "
+      "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB set higher, within the host's free memory\n")
+
+
 @pytest.mark.parametrize("overrides, named", [
     # Everything offloaded, the smallest micro-batch, every layer recomputed: nothing to name.
     (["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=1.0",

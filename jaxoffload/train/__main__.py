@@ -25,7 +25,7 @@ from typing import Optional
 
 import jax
 
-from jaxoffload.train import launch, rules
+from jaxoffload.train import host_memory, launch, rules
 from jaxoffload.train.config import ConfigError
 from jaxoffload.train.loading import load_config
 from jaxoffload.train.loop import train
@@ -54,6 +54,8 @@ def main(argv: Optional[list[str]] = None) -> None:
   except jax.errors.JaxRuntimeError as error:
     if "RESOURCE_EXHAUSTED" not in str(error):
       raise
+    if PINNED_POOL_ERROR in str(error):
+      _exit(_pinned_pool_message(str(error)), 1)
     profile = _memory_profile(config)
     levers = rules.device_memory_levers(config) if config is not None else []
     hint = (f"Lower it with: {'; '.join(levers)} (docs/config.md)." if levers else
@@ -61,6 +63,20 @@ def main(argv: Optional[list[str]] = None) -> None:
             "model.seq_length, or more devices (mesh.fsdp).")
     _exit(f"error: out of device memory: {str(error).splitlines()[0]}; what the device held: "
           f"{profile}\n{hint}", 1)
+
+
+# How XLA names its pinned host pool when that runs out.
+PINNED_POOL_ERROR = "xla_gpu_host_bfc"
+
+
+def _pinned_pool_message(error: str) -> str:
+  """The line for XLA's pinned pool running out: its limit, and how to raise it."""
+  variable = host_memory.PINNED_POOL_VARIABLE
+  limit = os.environ.get(variable, str(host_memory.DEFAULT_PINNED_POOL_GIB))
+  by = " (the trainer's size)" if launch.sized_pinned_pool_gib is not None else ""
+  return (f"error: out of XLA's pinned host memory: {error.splitlines()[0]}; each GPU's pool "
+          f"stops at {variable}={limit} GiB{by}: start again with {variable} set higher, "
+          f"within the host's free memory")
 
 
 def _memory_profile(config) -> str:

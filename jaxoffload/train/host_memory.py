@@ -136,6 +136,28 @@ def pinned_per_device(setup: Setup) -> int:
   return pinned + _activation_bytes(setup) // setup.mesh.size
 
 
+def largest_pinned_array(setup: Setup) -> int:
+  """The bytes of the largest array one device's pinned pool holds: a host kernel leaf's
+  weights or gradients, an offloaded moment, an offloaded weight. Needs no backend."""
+  shapes, shardings = jax.tree.leaves(setup.param_shapes), jax.tree.leaves(setup.param_shardings)
+  offloaded = setup.offload.offloaded if setup.offload else (False,) * len(shapes)
+  transfer = iter(zip(setup.transfer_dtypes, setup.weight_transfer_dtypes)
+                  if setup.host_kernel else ())
+  moments = rules.moment_dtypes(setup.config)
+  largest = 0
+  for shape, sharding, off, fetch in zip(shapes, shardings, offloaded,
+                                         jax.tree.leaves(setup.fetched_by_model)):
+    elements = math.prod(sharding.shard_shape(shape.shape))
+    if off and setup.host_kernel:
+      itemsize = max(d.itemsize for d in next(transfer))
+    elif off:
+      itemsize = max(host_state.moment_bytes(d, shape.shape) for d in moments)
+    else:
+      itemsize = shape.dtype.itemsize if fetch else 0
+    largest = max(largest, int(elements * itemsize))
+  return largest
+
+
 def _activation_bytes(setup: Setup) -> int:
   """One step's offloaded activations, every device's."""
   m, t = setup.config.model, setup.config.train

@@ -30,8 +30,9 @@ def set_xla_flags(config: Config) -> None:
 
 def size_pinned_pool(config: Config) -> Optional[int]:
   """Sizes XLA's pinned host pool of each GPU for ``config``'s run before JAX starts its
-  backends: the arrays it holds at once (``host_memory.pinned_per_device``) and an eighth
-  more, in whole GiB (``host_memory.PINNED_POOL_VARIABLE``). The pool never gives memory
+  backends: the arrays it holds at once (``host_memory.pinned_per_device``), an eighth
+  more and room for its largest array again, in whole GiB
+  (``host_memory.PINNED_POOL_VARIABLE``). The pool never gives memory
   back and grows by doubling regions up to its limit: sized so, it holds what the run
   pins and little more. Leaves a limit set by the user, and a config whose ``auto``
   settings only the machine decides, to XLA's default.
@@ -49,7 +50,10 @@ def size_pinned_pool(config: Config) -> Optional[int]:
   pinned = host_memory.pinned_per_device(setup)
   if not pinned:
     return None
-  gib = math.ceil((1 + host_memory.PINNED_POOL_SLACK) * pinned / 2**30)
+  # The pool hands out runs of its regions; once they are cut up, no region may hold a run
+  # as long as the largest array: room for one more of it.
+  gib = math.ceil(((1 + host_memory.PINNED_POOL_SLACK) * pinned
+                   + host_memory.largest_pinned_array(setup)) / 2**30)
   os.environ[host_memory.PINNED_POOL_VARIABLE] = str(gib)
   sized_pinned_pool_gib = gib
   return gib
