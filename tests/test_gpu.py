@@ -63,7 +63,9 @@ def test_eight_bit_moments_update_on_the_host_cpu_or_the_gpu_as_the_host_kernel_
   for moment, host in ((state[0].mu["w"], mu), (state[0].nu["w"], nu)):
     apart = np.abs(np.asarray(moment.codes, np.int32) - host.codes.astype(np.int32))
     assert apart.max() <= 1 and np.mean(apart == 0) > 0.99, np.mean(apart == 0)
-  np.testing.assert_allclose(np.asarray(got["w"]), weights, rtol=0, atol=1e-5)
+  # A weight whose moment took the neighbouring code moves by a share of one update (1e-3).
+  apart = np.abs(np.asarray(got["w"]) - weights)
+  assert apart.max() < 1e-4 and np.mean(apart <= 1e-5) > 0.999, (apart.max(), np.mean(apart > 1e-5))
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["one-piece-at-a-time", "overlapped"])
