@@ -82,7 +82,7 @@ def test_the_search_stops_once_the_pick_beats_every_bound(compiled_as_resident):
   assert resident_device_bytes(Trainer.from_shapes(fewer)) + TEMPORARIES > 0.95 * budgets.device
   lines = plan.table(rows, pick)
   assert lines[0].startswith(
-      "| activations | micro-batch | update on | gradient sums | offload (achieved) |")
+      "| activations | micro-batch | update on | gradient sums | moments | offload (achieved) |")
   assert sum("(pick)" in line for line in lines) == 1
 
 
@@ -144,6 +144,28 @@ def test_host_memory_bounds_the_offload(compiled_as_resident):
   pick, rows = plan.plan(config, plan.Budgets(device=None, host=1), explore=False,
                          machine=MACHINE, log=print)
   assert pick is None and rows and all(r.verdict == "no: host" for r in rows)
+
+
+def test_where_no_float32_state_fits_the_planner_proposes_compact_moments(compiled_as_resident,
+                                                                           monkeypatch):
+  monkeypatch.setattr(search, "host_rss_bytes", lambda: 10**9)  # What the process holds: fixed.
+  config = load_config(None, ["optimizer.optimizer_cpu_offload=True"])
+  # The device holds the parameters alone: only every moment offloaded fits it.
+  offloaded = resolve(load_config(None, ["optimizer.optimizer_cpu_offload=True",
+                                         "optimizer.optimizer_offload_fraction=1.0"]))
+  device = int((resident_device_bytes(Trainer.from_shapes(offloaded)) + TEMPORARIES) / 0.95) + 1
+  search_ = lambda host, compact: plan.plan(config, plan.Budgets(device=device, host=host),
+                                            explore=False, compact=compact, machine=MACHINE)
+  exact, _ = search_(10**12, False)
+  assert (exact.fraction, exact.moments) == (1.0, "float32")
+  # A host a byte short of that: float32 moments fit nowhere; bfloat16 ones do.
+  host = int(exact.host_bytes / (1 - search.HOST_HEADROOM)) - 1
+  assert search_(host, False)[0] is None
+  pick, rows = search_(host, True)
+  assert pick.moments == "bfloat16" and pick.host_bytes < exact.host_bytes
+  assert {"optimizer.exp_avg_dtype=bfloat16", "optimizer.exp_avg_sq_dtype=bfloat16"} <= set(
+      pick.overrides)
+  assert {(r.moments, r.verdict) for r in rows} >= {("float32", "no: host"), ("bfloat16", "fits")}
 
 
 def test_auto_offload_trains_with_the_least_fraction_that_fits(compiled_as_resident, monkeypatch):
@@ -213,7 +235,8 @@ def test_the_planner_prints_a_command_that_trains(monkeypatch, capsys):
   monkeypatch.setattr(search, "calibrate", lambda configs, log: CALIBRATION)
   plan_main(["train.train_iters=2"])
   out = capsys.readouterr().out
-  assert "| activations | micro-batch | update on | gradient sums | offload (achieved) |" in out
+  assert ("| activations | micro-batch | update on | gradient sums | moments | offload (achieved) |"
+          in out)
   command = out.strip().splitlines()[-1].split()
   assert command[:3] == ["python", "-m", "jaxoffload.train"]
   train_main(command[3:])

@@ -43,8 +43,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                      + (["--config", args.config] if args.config else []) + args.overrides
                      + list(best.overrides))
   print(f"fastest that fits: {best.activations}, micro-batch {best.micro_batch_size}, offload "
-        f"{best.fraction:.2f} on {best.update_on}: predicted {best.step_s * 1e3:,.1f} ms a "
-        f"step\n  {command}")
+        f"{best.fraction:.2f} on {best.update_on}, {best.moments} moments: predicted "
+        f"{best.step_s * 1e3:,.1f} ms a step\n  {command}")
 
 
 if __name__ == "__main__":

@@ -17,12 +17,16 @@ from jaxoffload.train import Trainer, host_memory, resolve
 from jaxoffload.train.config import Config, ConfigError
 from jaxoffload.train.loading import override
 from jaxoffload.train.resolve import Setup
-from jaxoffload.train.rules import GRAD_SUMS_PLACES
+from jaxoffload.train.rules import GRAD_SUMS_PLACES, moment_dtypes
 from jaxoffload.train.step import resident_device_bytes
 
 DEVICE_HEADROOM = 0.05  # XLA's estimate leaves out fragmentation and the runtime's own use.
 HOST_HEADROOM = 0.10  # The guard's arithmetic leaves out allocator growth it cannot see.
 PLACES = ("device", "host_kernel")
+# Adam's moments in the storages the planner falls back to, smallest last, where the
+# config's own fit nowhere: bfloat16 (rounded stochastically), then 8-bit blocks.
+COMPACT_MOMENTS = ("bfloat16", "int8")
+_MOMENT_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1}
 Log = Callable[[str], None]
 
 
@@ -37,6 +41,8 @@ class Candidate:
     update_on: ``optimizer.optimizer_offload_update_on``.
     grad_sums: where gradients are summed over micro-batches (the host kernel's leaves'
       with ``optimizer.accumulate_offloaded_grads_on=host``); ``-`` without accumulation.
+    moments: the dtype of Adam's moments (``int8``: 8-bit blocks), "/"-joined where the
+      two differ.
     achieved: the share of elements the plan offloads (whole leaves).
     device_bytes: XLA's device peak of the step; None where it was not compiled.
     host_bytes: the host memory the process will hold.
@@ -52,6 +58,7 @@ class Candidate:
   fraction: float
   update_on: str
   grad_sums: str
+  moments: str
   achieved: float
   device_bytes: Optional[int]
   host_bytes: int
@@ -101,8 +108,8 @@ def activation_settings(config: Config) -> dict[str, list[str]]:
   return settings
 
 
-def plan(config: Config, budgets: Budgets, *, explore: bool = True, log: Log = print,
-         machine: Optional[autoplace.Machine] = None,
+def plan(config: Config, budgets: Budgets, *, explore: bool = True, compact: bool = True,
+         log: Log = print, machine: Optional[autoplace.Machine] = None,
          calibration: Optional[Calibration] = None) -> tuple[Optional[Candidate], list[Candidate]]:
   """The fastest candidate that fits ``budgets``, and what each combination came to.
 
@@ -122,6 +129,8 @@ def plan(config: Config, budgets: Budgets, *, explore: bool = True, log: Log = p
     explore: also try the other activation settings and micro-batch sizes, their
       compute timed by a short calibration on this device, and both places for the
       host kernel's gradient sums; else keep the config's.
+    compact: where nothing fits with the config's moments, search again with each
+      storage of ``COMPACT_MOMENTS`` smaller than them, until one fits.
     machine: this machine's link and host-kernel rates; default: measured now.
     calibration: the device compute's times; default: measured now when exploring.
 
@@ -143,11 +152,27 @@ def plan(config: Config, budgets: Budgets, *, explore: bool = True, log: Log = p
     accumulates = size < config.train.global_batch_size
     return GRAD_SUMS_PLACES if explore and accumulates and place == "host_kernel" else (None,)
 
-  ladders = [_Ladder(config, name, list(o) + [f"train.micro_batch_size={size}"], (place, at),
-                     machine, calibration, baseline)
-             for name, o in settings.items() for size in sizes for place in places
-             for at in sums(place, size)]
-  return _search(ladders, budgets)
+  rows = []
+  for moments in _moment_settings(config, compact):
+    # The device's streamed update cannot keep 8-bit blocks (rules).
+    kept = [p for p in places if not (p == "device" and "int8" in " ".join(moments))]
+    ladders = [_Ladder(config, name, list(o) + [f"train.micro_batch_size={size}"] + moments,
+                       (place, at), machine, calibration, baseline)
+               for name, o in settings.items() for size in sizes for place in kept
+               for at in sums(place, size)]
+    best, found = _search(ladders, budgets)
+    rows += found
+    if best is not None:
+      break
+  return best, rows
+
+
+def _moment_settings(config: Config, compact: bool) -> list[list[str]]:
+  """The overrides of each moment storage to search: the config's own, then (with
+  ``compact``) each of ``COMPACT_MOMENTS`` smaller than the config's largest moment."""
+  largest = max(_MOMENT_BYTES[d] for d in moment_dtypes(config))
+  return [[]] + [[f"optimizer.exp_avg_dtype={d}", f"optimizer.exp_avg_sq_dtype={d}"]
+                 for d in COMPACT_MOMENTS if compact and _MOMENT_BYTES[d] < largest]
 
 
 def _search(ladders: list["_Ladder"], budgets: Budgets
@@ -205,9 +230,10 @@ class _Ladder:
         self._setups[step] = None
         return None
       grad_sums = "host" if setup.sums_on_host else "device" if setup.micro_batches > 1 else "-"
+      moments = "/".join(dict.fromkeys(moment_dtypes(setup.config)))
       self._setups[step] = setup, Candidate(
           self.name, setup.config.train.micro_batch_size, fraction,
-          self.place[0] if fraction else "-", grad_sums,
+          self.place[0] if fraction else "-", grad_sums, moments,
           setup.offload.fraction if setup.offload else 0.0,
           None, self.baseline + host_memory.needed(setup).total,
           predict_s(setup, self.calibration, self.machine), tuple(overrides))
@@ -285,11 +311,13 @@ def _micro_batch_sizes(config: Config) -> list[int]:
 
 def table(rows: list[Candidate], pick: Optional[Candidate]) -> list[str]:
   """One markdown row per combination the planner judged, the pick marked."""
-  lines = ["| activations | micro-batch | update on | gradient sums | offload (achieved) "
-           "| device peak | host | predicted step | fits |", "|---|---|---|---|---|---|---|---|---|"]
+  lines = ["| activations | micro-batch | update on | gradient sums | moments | offload (achieved) "
+           "| device peak | host | predicted step | fits |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
   for c in rows:
     device = "-" if c.device_bytes is None else host_memory.size(c.device_bytes)
     lines.append(f"| {c.activations} | {c.micro_batch_size} | {c.update_on} | {c.grad_sums} "
+                 f"| {c.moments} "
                  f"| {c.fraction:.2f} "
                  f"({c.achieved:.2f}) | {device} | {host_memory.size(c.host_bytes)} | "
                  f"{c.step_s * 1e3:,.1f} ms | {c.verdict}{' (pick)' if c == pick else ''} |")
@@ -315,7 +343,7 @@ def fastest_offload(config: Config, log: Log = print) -> Config:
     ConfigError: when no fraction fits, naming the keys that free more memory.
   """
   budgets = budgets_of(config)
-  best, _ = plan(config, budgets, explore=False, log=log)
+  best, _ = plan(config, budgets, explore=False, compact=False, log=log)
   overrides = None if best is None else list(best.overrides)
   if jax.process_count() > 1:  # Every process must build the same program: process 0's pick.
     picked = np.array([-1.0, 0.0] if best is None else
