@@ -11,7 +11,7 @@ import jax
 import pytest
 
 from jaxoffload import autoplace, plan
-from jaxoffload.plan import search, timing
+from jaxoffload.plan import auto, search, timing
 from jaxoffload.plan.__main__ import main as plan_main
 from jaxoffload.train import load_config, resolve, train
 from jaxoffload.train.__main__ import main as train_main
@@ -113,7 +113,7 @@ def test_the_host_kernel_sums_on_the_host_where_the_device_cannot_hold_the_sums(
       (), resident_device_bytes(self) + TEMPORARIES + (
           0 if self.setup.sums_on_host else 4 * elements), 0))
   all_on_host = resident_device_bytes(Trainer.from_shapes(resolve(load_config(None, [
-      "train.global_batch_size=16", "train.micro_batch_size=4", *search._offload(
+      "train.global_batch_size=16", "train.micro_batch_size=4", *search.offload_overrides(
           1.0, "host_kernel", "host")]))))
   budgets = plan.Budgets(device=int((all_on_host + TEMPORARIES + 2 * elements) / 0.95),
                          host=10**12)
@@ -174,7 +174,7 @@ def test_auto_offload_trains_with_the_least_fraction_that_fits(compiled_as_resid
   state = resident_device_bytes(Trainer.from_shapes(resolve(load_config(None, [
       "optimizer.optimizer_cpu_offload=False"]))))
   budgets = plan.Budgets(device=int((state * 0.6 + TEMPORARIES) / 0.95), host=10**12)
-  monkeypatch.setattr(search, "budgets_of", lambda config, device_memory=None: budgets)
+  monkeypatch.setattr(auto, "budgets_of", lambda config, device_memory=None: budgets)
   monkeypatch.setattr(autoplace, "measure_machine", lambda: MACHINE)
   logged = []
   losses = train(load_config(None, overrides), log=logged.append)

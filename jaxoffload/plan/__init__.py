@@ -20,8 +20,8 @@ fits, and picks the fastest that fits. ``optimizer.optimizer_offload_fraction=au
 same search over the offload alone.
 """
 
-from jaxoffload.plan.search import (Budgets, Candidate, activation_settings, budgets_of,
-                                    fastest_offload, plan, table)
+from jaxoffload.plan.auto import budgets_of, fastest_offload
+from jaxoffload.plan.search import Budgets, Candidate, activation_settings, plan, table
 from jaxoffload.plan.timing import Calibration, calibrate, predict_s
 
 __all__ = ["Budgets", "Calibration", "Candidate", "activation_settings", "budgets_of",
