@@ -135,7 +135,7 @@ def choose(machine: Machine, *, offloaded_elements: int, moment_bytes_per_elemen
     host_kernel: whether the host kernel is a candidate (numba installed,
       float32 parameters).
     overlap_s: seconds of device work the host kernel's update runs under (where
-      the trainer overlaps them, ``jaxoffload.train.resolve.overlap_seconds``):
+      the trainer overlaps them, ``jaxoffload.train.update_place.overlap_seconds``):
       the kernel's time up to it adds nothing.
 
   Returns:

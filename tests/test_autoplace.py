@@ -9,7 +9,7 @@ import pytest
 
 from jaxoffload import autoplace
 from jaxoffload.train import load_config, metrics, resolve, train
-from jaxoffload.train.resolve import forward_seconds, price_updates
+from jaxoffload.train.update_place import forward_seconds, price_updates
 
 # A machine like the H200's (docs/performance.md): 54 GB/s each way, the host
 # kernel at 4.4 G params/s on 16 threads.

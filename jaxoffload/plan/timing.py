@@ -32,7 +32,8 @@ from jaxoffload.train import resolve
 from jaxoffload.train.config import Config
 from jaxoffload.train.loading import override
 from jaxoffload.train.grads import loss_and_grads
-from jaxoffload.train.resolve import Setup, price_updates
+from jaxoffload.train.resolve import Setup
+from jaxoffload.train.update_place import price_updates
 
 _REPEATS = 3
 _COPY_BYTES = 256 * 2**20

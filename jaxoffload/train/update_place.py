@@ -1,0 +1,95 @@
+"""Which exact update placement a run of a config takes with ``optimizer_offload_update_on=auto``:
+each priced on this machine (``autoplace``), under the device work the trainer hides it under."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+
+from jaxoffload import autoplace
+from jaxoffload.host_state import moment_bytes
+from jaxoffload.placement import OffloadPlan
+from jaxoffload.train import metrics, rules
+from jaxoffload.train.config import Config
+
+
+# The share of the device's peak a forward pass is priced at, where the host kernel's update
+# hides under it: about the MFU of the trainer's own baselines
+# (docs/performance.md#optimizer-offload).
+_FORWARD_MFU = 0.4
+
+
+def forward_seconds(config: Config) -> float:
+  """About how long one device takes for a step's forward pass of ``config``: its FLOPs at
+  ``_FORWARD_MFU`` of the device's peak; 0 where the peak is unknown (CPUs)."""
+  peak = metrics.peak_flops(jax.devices()[0], config.model.dtype)
+  if not peak:
+    return 0.0
+  tokens = config.train.global_batch_size * config.model.seq_length / jax.device_count()
+  # A third of a training step's FLOPs: the backward pass does twice the forward's work.
+  flops = tokens * metrics.flops_per_token(config.model.llama(), config.model.seq_length) / 3
+  return flops / (peak * _FORWARD_MFU)
+
+
+def overlap_seconds(config: Config) -> float:
+  """About how much device time a step of ``config`` hides the host kernel's update under:
+  the next forward pass of the first micro-batch where the trainer overlaps them
+  (``train.overlap``), and unclipped the last micro-batch's backward pass too; 0 where it
+  does not overlap."""
+  if not rules.host_update_overlaps(config):
+    return 0.0
+  # The backward pass does twice the forward's work. Clipped, priced as if every step
+  # clipped: a speculated update starts earlier only after a step that did not.
+  return (forward_seconds(config) / rules.micro_batches(config)
+          * (1 if rules.clips_gradients(config) else 3))
+
+
+def price_updates(config: Config, offload: OffloadPlan, machine: autoplace.Machine, *,
+                  host_kernel: bool) -> autoplace.Choice:
+  """What each exact update placement adds to a step of ``config`` with ``offload``, on
+  ``machine`` (the host kernel priced only where ``host_kernel`` and the config allow it,
+  and under the device work the trainer would overlap it with, ``overlap_seconds``)."""
+  o = config.optimizer
+  # Each device copies its own shards; the host kernel updates all of this process's (the
+  # mesh's devices are spread evenly over the processes).
+  m = config.mesh
+  per_device = offload.offloaded_elements // (m.fsdp * m.tensor)
+  local_devices = m.data * m.fsdp * m.tensor // jax.process_count()
+  return autoplace.choose(
+      machine, offloaded_elements=per_device,
+      moment_bytes_per_element=sum(moment_bytes(d) for d in rules.moment_dtypes(config)),
+      transfer_bytes_per_element=jnp.dtype(o.offload_transfer_dtype).itemsize,
+      weight_bytes_per_element=(None if o.store_param_remainders
+                                else jnp.dtype(config.model.params_dtype).itemsize),
+      local_elements=per_device * local_devices,
+      host_kernel=host_kernel,
+      overlap_s=overlap_seconds(config))
+
+
+def resolve_update_place(config: Config, offload: Optional[OffloadPlan]
+                          ) -> tuple[Config, Optional[autoplace.Choice]]:
+  """``config`` with ``optimizer_offload_update_on=auto`` replaced by the exact placement this
+  machine runs fastest, and that choice; any other config unchanged."""
+  o = config.optimizer
+  if o.optimizer_offload_update_on != "auto":
+    return config, None
+  place = lambda p: dataclasses.replace(
+      config, optimizer=dataclasses.replace(o, optimizer_offload_update_on=p))
+  if offload is None:
+    return place("device"), None
+  if "int8" in rules.moment_dtypes(config):  # 8-bit blocks are not streamed (rules).
+    return place("host_kernel" if importlib.util.find_spec("numba") else "host"), None
+  choice = price_updates(config, offload, autoplace.measure_machine(),
+                         host_kernel=importlib.util.find_spec("numba") is not None)
+  if jax.process_count() > 1:
+    # Every process must build the same program: process 0's choice holds.
+    places = list(choice.predicted_s)
+    first = multihost_utils.broadcast_one_to_all(np.int32(places.index(choice.place)))
+    choice = dataclasses.replace(choice, place=places[int(first)])
+  return place(choice.place), choice
