@@ -105,14 +105,52 @@ class HostState:
 
   def masters(self, leaf: int) -> list[np.ndarray]:
     """Float32 copies of a leaf's masters, shard by shard."""
-    remainders = self.remainders[leaf]
-    return [host_kernels.join(view, remainders[shard]) if remainders is not None
-            else view.astype(np.float32) for shard, view in enumerate(self.views[leaf])]
+    return [self.float32("params", leaf, shard) for shard in range(len(self.views[leaf]))]
 
   def moments(self, name: str, leaf: int) -> list[np.ndarray]:
     """Float32 copies of a leaf's ``mu`` or ``nu``, shard by shard."""
-    return [m.decode() if isinstance(m, host_adam.CodedMoment) else m.astype(np.float32)
-            for m in getattr(self, name)[leaf]]
+    return [self.float32(name, leaf, shard) for shard in range(len(self.views[leaf]))]
+
+  def float32(self, name: str, leaf: int, shard: int, rows: slice = slice(None)) -> np.ndarray:
+    """A float32 copy of ``rows`` (of the first axis) of a leaf's shard: its master
+    (``name`` ``"params"``), ``mu`` or ``nu``. An 8-bit moment of fewer than two axes is
+    one row of blocks: take it whole."""
+    if name == "params":
+      view, remainders = self.views[leaf][shard], self.remainders[leaf]
+      if remainders is None:
+        return view[rows].astype(np.float32)
+      return host_kernels.join(view[rows], remainders[shard][rows])
+    moment = getattr(self, name)[leaf][shard]
+    if isinstance(moment, host_adam.CodedMoment):
+      whole = moment.codes.ndim < 2
+      return (moment if whole else host_adam.CodedMoment(moment.codes[rows],
+                                                         moment.scales[rows])).decode()
+    return moment[rows].astype(np.float32)
+
+  def leaf_rows(self, name: str, leaf: int, rows: slice) -> np.ndarray:
+    """A float32 copy of ``rows`` (of the first axis) of a whole leaf's master (``name``
+    ``"params"``), ``mu`` or ``nu``, from its shards (replicas read once); nothing else
+    of the leaf is copied. Needs every shard in this process."""
+    like = self.params[leaf]
+    if not like.is_fully_addressable:
+      raise ValueError(f"leaf {leaf} has shards in other processes")
+    if not like.shape:
+      return self.float32(name, leaf, 0)
+    first, stop, _ = rows.indices(like.shape[0])
+    out = np.empty((stop - first,) + like.shape[1:], np.float32)
+    indices = like.sharding.addressable_devices_indices_map(like.shape)
+    seen = set()
+    for shard, array_shard in enumerate(host_arrays.sorted_shards(like)):
+      index = indices[array_shard.device]
+      bounds = tuple(part.indices(n)[:2] for part, n in zip(index, like.shape))
+      low, high = bounds[0]
+      start, end = max(low, first), min(high, stop)
+      if bounds in seen or start >= end:
+        continue
+      seen.add(bounds)
+      out[(slice(start - first, end - first),) + tuple(index[1:])] = self.float32(
+          name, leaf, shard, slice(start - low, end - low))
+    return out
 
   def load_moments(self, mu: Iterable, nu: Iterable) -> None:
     """Takes whole float32 moments (JAX or numpy arrays, a leaf at a time) into this state's

@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 
 from jaxoffload.params import regroup
+from jaxoffload.placement import leaf_path
 from jaxoffload.remat import layer_groups
 from jaxoffload.train import Trainer, load_config, resolve, train
 from jaxoffload.train import checkpoints as ckpt
+from jaxoffload.train import host_checkpoint
 from jaxoffload.train.config import ConfigError
 
 QUIET = lambda _: None
@@ -302,6 +304,32 @@ def test_saving_host_resident_state_every_step_changes_no_loss(tmp_path, offload
   shutil.rmtree(tmp_path / "3")
   resumed = train(load_config(None, base + [f"checkpoint.dir={tmp_path}"]), log=QUIET)
   np.testing.assert_array_equal(resumed, whole[2:])
+
+
+@pytest.mark.slow
+def test_the_host_kernels_leaves_are_written_from_the_live_state_in_float32(tmp_path,
+                                                                           monkeypatch):
+  # Split masters and 8-bit moments: joined and decoded a piece at a time, so that a
+  # save copies none of the state whole.
+  setup = resolve(load_config(None, [f"checkpoint.dir={tmp_path}", "model.dtype=bfloat16",
+                                     "optimizer.offload_transfer_dtype=bfloat16",
+                                     "optimizer.exp_avg_dtype=int8",
+                                     "optimizer.exp_avg_sq_dtype=int8", *HOST_KERNEL]))
+  trainer = Trainer(setup)
+  trainer.step(setup.global_batch(0))
+  checkpoints = ckpt.manager(setup.config)
+  monkeypatch.setattr(host_checkpoint, "CHUNK_BYTES", 4096)  # Several pieces a leaf.
+  ckpt.save(checkpoints, 1, trainer)
+  saved = trainer.checkpoint()
+  paths = [leaf_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(saved["params"])[0]]
+  on_host = trainer.programs.host_leaves(paths)
+  assert on_host
+  for name in ("params", "mu", "nu"):
+    for path, want in zip(paths, jax.tree.leaves(saved[name])):
+      file = host_checkpoint.saved_file(str(tmp_path / "1"), name, tuple(path.split("/")))
+      assert (file is not None) == (path in on_host)
+      if file is not None:
+        np.testing.assert_array_equal(np.load(file), np.asarray(want))
 
 
 def test_a_disk_too_small_for_one_checkpoint_is_refused_before_training(tmp_path, monkeypatch):

@@ -3,7 +3,9 @@
 A checkpoint holds the run's state in a form no setting owns: ``params`` (the
 whole parameter tree, whatever was offloaded), ``mu`` and ``nu`` (Adam's
 moments, trees like it, whichever optimizer held them) and ``meta`` (the
-resolved config and the step, as JSON). Orbax records no memory kind: a resume
+resolved config and the step, as JSON); the host kernel's leaves of those trees, in
+one process, as float32 ``.npy`` files of a ``host`` item written a piece at a time
+from the live state (``host_checkpoint``). Orbax records no memory kind: a resume
 reads each leaf into the resuming run's grouping, dtype and placement
 (``jaxoffload.train.reader``), so a run can change its offload fraction, its
 update placement, its activation or weights offload and its moments' dtypes
@@ -26,7 +28,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from jaxoffload.model import LlamaConfig
-from jaxoffload.train import reader, rules
+from jaxoffload.train import host_checkpoint, reader, rules
 from jaxoffload.train.config import Config, ConfigError
 from jaxoffload.train.loading import config_from_dict
 from jaxoffload.train.resolve import Setup
@@ -93,14 +95,16 @@ def save(checkpoints: ocp.CheckpointManager, step: int, trainer: Trainer) -> Non
   Raises:
     ConfigError: naming the directory and why, when this save or the one before failed.
   """
-  state = trainer.checkpoint()  # Applies what the host still holds.
+  state = trainer.checkpoint_items()  # Applies what the host still holds.
+  host = state.pop(host_checkpoint.ITEM, None)
   meta = {"step": step, "config": dataclasses.asdict(trainer.setup.config)}
   if trainer.host is not None:  # Whether the next update may start before its clipping.
     meta["host_last_grad_scale"] = trainer.host.last_grad_scale
+  items = {name: ocp.args.PyTreeSave(tree) for name, tree in state.items()}
+  if host is not None:
+    items[host_checkpoint.ITEM] = host_checkpoint.HostLeavesSave(host)
   with _writing(checkpoints):
-    checkpoints.save(step, args=ocp.args.Composite(
-        meta=ocp.args.JsonSave(meta), **{name: ocp.args.PyTreeSave(tree)
-                                        for name, tree in state.items()}))
+    checkpoints.save(step, args=ocp.args.Composite(meta=ocp.args.JsonSave(meta), **items))
     if trainer.setup.state_in_host_memory:
       checkpoints.wait_until_finished()
 

@@ -21,7 +21,7 @@ from jaxoffload import host_state
 from jaxoffload.model import group_name
 from jaxoffload.placement import leaf_path
 from jaxoffload.memory import host_rss_bytes, offloaded_activation_bytes, parse_bytes
-from jaxoffload.train import checkpoints, rules
+from jaxoffload.train import checkpoints, host_checkpoint, rules
 from jaxoffload.train import weights as weights_
 from jaxoffload.train.config import ConfigError
 from jaxoffload.train.overlap import GRADIENT_BYTES_AHEAD
@@ -35,8 +35,10 @@ RUNTIME_BYTES = 4 * 2**30
 # On GPUs that pool is a BFC allocator: it grows by regions, the first of 2 MiB and
 # each one twice the last, until a region would pass the pool's limit.
 FIRST_POOL_REGION = 2 * 2**20
-# How many times its checkpoint's bytes a save of the host kernel's state adds
-# to the host's memory; other state adds them once (docs/performance.md#host-memory).
+# How many times its checkpoint's bytes a save of the host kernel's state adds to the
+# host's memory where several processes hold it (orbax gathers it); one process writes it
+# a piece at a time (host_checkpoint.SAVE_BYTES); other state adds them once
+# (docs/performance.md#host-memory).
 HOST_KERNEL_SAVE_COPIES = 2.5
 # XLA's pinned pool on GPUs stops at 64 GiB unless this variable says otherwise.
 PINNED_POOL_VARIABLE = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
@@ -179,6 +181,7 @@ def _state(setup: Setup, elements_of) -> tuple[dict[str, int], int, float]:
                   if setup.host_kernel else ())
   moments = rules.moment_dtypes(setup.config)
   pinned = saved = 0  # What a save adds: copies of the state a checkpoint holds.
+  host_pieces = 0  # And the host kernel's pieces, written one at a time.
   for (path, _), shape, sharding, off, fetch, checkpointed in zip(
       paths, shapes, shardings, offloaded, fetched, checkpoints.bytes_per_element(setup)):
     elements = elements_of(shape.shape, sharding)
@@ -200,7 +203,10 @@ def _state(setup: Setup, elements_of) -> tuple[dict[str, int], int, float]:
       held["host kernel moments and sums"] += int(elements * (
           moment_bytes + (4 if setup.sums_on_host else 0)))
       pinned += elements * (weights + grads)
-      saved += elements * checkpointed * HOST_KERNEL_SAVE_COPIES
+      if setup.config.distributed.initialize:
+        saved += elements * checkpointed * HOST_KERNEL_SAVE_COPIES
+      else:
+        host_pieces = host_checkpoint.SAVE_BYTES
       continue
     if off:
       held["optimizer state"] += int(elements * moment_bytes)
@@ -217,7 +223,7 @@ def _state(setup: Setup, elements_of) -> tuple[dict[str, int], int, float]:
     kept = min(held["host kernel gradients"], int(bound))
     pinned -= held["host kernel gradients"] - kept
     held["host kernel gradients"] = kept
-  return held, pinned, saved
+  return held, pinned, saved + host_pieces
 
 
 def available(limit: Optional[int]) -> tuple[int, str]:

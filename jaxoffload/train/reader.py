@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
+import os
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import jax
@@ -23,6 +24,7 @@ import orbax.checkpoint as ocp
 
 from jaxoffload.params import group_layers
 from jaxoffload.placement import leaf_path
+from jaxoffload.train import host_checkpoint
 
 
 def read_tree(checkpoints: ocp.CheckpointManager, step: int, item: str,
@@ -107,6 +109,16 @@ def _joined(checkpoints, step, item, pieces: Sequence[Piece], dtype) -> np.ndarr
 def _restore(checkpoints, step, item, keys: tuple[str, ...],
              target: jax.ShapeDtypeStruct) -> jax.Array | np.ndarray:
   """One saved leaf in ``target``'s dtype: placed by its sharding, or numpy without one."""
+  saved = host_checkpoint.saved_file(os.path.join(os.fspath(checkpoints.directory), str(step)),
+                                     item, keys)
+  if saved is not None:  # The host kernel's, mapped: read a shard at a time.
+    values = np.load(saved, mmap_mode="r")
+    # Copied out of the read-only map: the CPU backend may keep using a numpy array's
+    # memory, and the host kernel writes its arrays in place.
+    if target.sharding is None:
+      return np.array(values, target.dtype)
+    return jax.make_array_from_callback(target.shape, target.sharding,
+                                        lambda index: np.array(values[index], target.dtype))
   nest: Callable[[Any], Any] = lambda leaf: functools.reduce(lambda tree, k: {k: tree},
                                                              reversed(keys), leaf)
   args = (ocp.RestoreArgs(restore_type=np.ndarray, dtype=target.dtype)
