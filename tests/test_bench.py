@@ -1,12 +1,13 @@
 """The benchmark runner: its settings, its comparisons, and a whole run on the tiny model."""
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
-from jaxoffload.bench import settings
+from jaxoffload.bench import report, settings
 from jaxoffload.bench.__main__ import _matrix, _parser
 from jaxoffload.bench.__main__ import main as bench_main
 from jaxoffload.train import ConfigError, load_config
@@ -108,3 +109,28 @@ def test_settings_of_your_own_run_after_the_baseline_and_are_checked():
   for bad in ("no equals sign", "baseline=train.seed=1", "=train.seed=1"):
     with pytest.raises(ConfigError, match=r"^--setting .*: write NAME=OVERRIDES"):
       _matrix(_parser().parse_args(["--setting", bad]), [])
+
+
+def test_memory_plot_labels_say_what_each_setting_overlaps(tmp_path):
+  matrix = settings.default_settings(num_layers=4, bfloat16_compute=True)
+  results = [{"setting": name, "overrides": overrides} for name, overrides in matrix.items()]
+  labels = {r["setting"]: report.curve_label(r) for r in results}
+  assert labels["optimizer 0.5 host_kernel no overlap"] == "update on host_kernel no overlap"
+  assert labels["optimizer 0.5 host_kernel bf16 transfers no overlap"] == (
+      "update on host_kernel bf16 transfers no overlap")
+  assert labels["optimizer 0.5 device overlap"] == "update on device overlapped"
+  assert labels["optimizer 0.5 host_kernel"] == "update on host_kernel"
+  assert labels["baseline"] is None and labels["activations 2 layers"] is None
+  assert labels["optimizer 0.5 device + activations 3 layers"] is None
+  # Written in lower case the value means the same to the trainer, and so to the plot.
+  assert report.curve_label({"overrides": [
+      "optimizer.optimizer_offload_update_on=device",
+      "optimizer.overlap_cpu_optimizer_d2h_h2d=false"]}) == "update on device no overlap"
+  # One point per fraction on each curve: no two settings share a curve at one fraction.
+  points = [(label, dict(o.split("=", 1) for o in matrix[name])[
+      "optimizer.optimizer_offload_fraction"]) for name, label in labels.items() if label]
+  assert len(points) == len(set(points))
+  for r in results:
+    r.update(device_bytes=2**30, step_ratio=1.0)
+  paths = report.plot(str(tmp_path / "all"), results)
+  assert all(os.path.getsize(path) > 0 for path in paths)

@@ -4,6 +4,7 @@ import io
 import json
 import math
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -143,3 +144,50 @@ def test_out_of_pinned_host_memory_names_the_pool_limit(capsys, monkeypatch):
 def test_out_of_memory_advice_names_only_levers_not_at_their_limit(overrides, named):
   from jaxoffload.train import rules
   assert rules.device_memory_levers(load_config(None, overrides)) == named
+
+
+def test_small_memory_figures_keep_their_digits():
+  lines = []
+  meter = metrics.Monitor(total_steps=1, tokens_per_step=1000, flops_per_token=2e9,
+                          peak_flops=None, pinned_host_bytes=1741312, log=lines.append,
+                          host_rss_bytes=lambda: 600 * 2**20)
+  meter.record(step=1, loss=1.0, step_s=0.1, learning_rate=1e-3, grad_norm=1.0)
+  assert lines[0].endswith("pinned host 1.66 MiB  host RSS 0.59 GiB")
+  assert meter.summary().endswith("pinned host 1.66 MiB  host RSS 0.59 GiB")
+  for num_bytes, shown in [(0, "0.00 GiB"), (5, "5 B"), (3 * 2**10, "3.00 KiB"),
+                           (2**30 // 100, "0.01 GiB"), (40 * 2**30, "40.00 GiB")]:
+    assert metrics._memory(None, num_bytes, None) == f"pinned host {shown}"
+
+
+def tiny_run(*overrides):
+  """The lines and records of two steps of the tiny default model."""
+  lines = []
+  result = run(load_config(None, ["train.train_iters=2", *overrides]), log=lines.append)
+  return lines, result.records
+
+
+@pytest.mark.slow
+def test_progress_bar_false_logs_the_figures_without_the_bar():
+  drawn, _ = tiny_run()
+  plain, _ = tiny_run("logging.progress_bar=False")
+  steps = lambda lines: [line for line in lines if "/2  loss " in line]
+  assert [line.split("  loss ")[0] for line in steps(drawn)] == [
+      "[##########..........] step 1/2", "[####################] step 2/2"]
+  assert [line.split("  loss ")[0] for line in steps(plain)] == ["step 1/2", "step 2/2"]
+  assert not any("[#" in line for line in plain)
+  assert all(" ms  " in line and " tok/s  " in line for line in steps(plain))
+
+
+@pytest.mark.slow
+def test_a_cpu_run_reports_its_offloaded_pinned_host_bytes():
+  offloaded, records = tiny_run("optimizer.optimizer_cpu_offload=True",
+                                "optimizer.optimizer_offload_fraction=1.0")
+  # Both Adam moments of every parameter element, float32.
+  moments = 2 * 4 * sum(x.size for x in jax.tree.leaves(
+      init_params(Llama(LlamaConfig()), jax.random.PRNGKey(0), jnp.zeros((1, 2), jnp.int32))))
+  assert all(r.pinned_host_bytes >= moments for r in records)
+  assert "pinned host 0.00 GiB" not in "\n".join(offloaded)
+  assert re.search(r"pinned host [1-9][\d.]* MiB", offloaded[-1])
+  kept, records = tiny_run()
+  assert [r.pinned_host_bytes for r in records] == [0, 0]
+  assert "pinned host 0.00 GiB" in kept[-1]

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Optional
+from typing import Any, Optional
 
 from jaxoffload.bench.settings import NOISE_FLOOR
+from jaxoffload.train.loading import parse_override
 
 GIB = 2**30
 
@@ -58,14 +59,10 @@ def plot(out: str, results: list[dict]) -> list[str]:
   # the optimizer alone that way.
   curves: dict[str, list] = {}
   for r in results:
-    place = _override(r, "optimizer.optimizer_offload_update_on")
-    if place is None or _override(r, "model.cpu_offloading") is not None:
-      continue
-    label = " ".join([f"update on {place}"]
-                     + ["overlapped"] * (_override(r, "optimizer.overlap_cpu_optimizer_d2h_h2d")
-                                         is not None))
-    curves.setdefault(label, [(0.0, results[0])]).append(
-        (float(_override(r, "optimizer.optimizer_offload_fraction")), r))
+    label = curve_label(r)
+    if label is not None:
+      curves.setdefault(label, [(0.0, results[0])]).append(
+          (float(_override(r, "optimizer.optimizer_offload_fraction")), r))
   for label, points in curves.items():
     xs = [f for f, _ in points]
     memory.plot(xs, [r["device_bytes"] / GIB for _, r in points], "o-", label=label)
@@ -91,9 +88,28 @@ def plot(out: str, results: list[dict]) -> list[str]:
   return paths
 
 
-def _override(result: dict, key: str) -> Optional[str]:
-  """The value a setting gives ``key``, as written; None when it leaves it alone."""
-  values = [o.split("=", 1)[1] for o in result["overrides"] if o.split("=", 1)[0] == key]
+def curve_label(result: dict) -> Optional[str]:
+  """The memory plot's curve for a setting that offloads the optimizer alone; None for others.
+
+  A curve holds one point per fraction, so what the default settings vary
+  besides the fraction (placement, overlap, transfer dtype) goes into the label.
+  """
+  place = _override(result, "optimizer.optimizer_offload_update_on")
+  if place is None or _override(result, "model.cpu_offloading"):
+    return None
+  # Left alone, the overlap is the placement's default (host_kernel overlaps, device does
+  # not), so only a value written in the setting is named.
+  overlap = _override(result, "optimizer.overlap_cpu_optimizer_d2h_h2d")
+  transfers = _override(result, "optimizer.offload_transfer_dtype")
+  return " ".join([f"update on {place}"]
+                  + (["bf16 transfers"] if transfers == "bfloat16" else [])
+                  + ({True: ["overlapped"], False: ["no overlap"]}.get(overlap, [])))
+
+
+def _override(result: dict, key: str) -> Any:
+  """The value a setting gives ``key``, read as the trainer reads it (YAML: "False" is
+  False); None when it leaves it alone."""
+  values = [parse_override(o)[1] for o in result["overrides"] if o.split("=", 1)[0] == key]
   return values[-1] if values else None
 
 

@@ -131,7 +131,7 @@ class Monitor:
                peak_flops: Optional[float], pinned_host_bytes: int,
                log: Callable[[str], None] = print, log_interval: int = 0,
                jsonl: Optional[TextIO] = None, tensorboard: Optional[TensorBoard] = None,
-               live: bool = False,
+               live: bool = False, progress_bar: bool = True,
                peak_device_bytes: Callable[[], Optional[int]] = lambda: None,
                host_rss_bytes: Callable[[], Optional[int]] = lambda: None):
     self.total_steps = total_steps
@@ -144,6 +144,7 @@ class Monitor:
     self.jsonl = jsonl
     self.tensorboard = tensorboard
     self.live = live  # Redraw one line in place (on a terminal) instead of logging lines.
+    self.progress_bar = progress_bar
     self.peak_device_bytes = peak_device_bytes
     self.host_rss_bytes = host_rss_bytes
     self.records: list[StepRecord] = []
@@ -180,10 +181,11 @@ class Monitor:
 
   def _line(self, r: StepRecord) -> str:
     done = r.step / self.total_steps
-    bar = "#" * int(20 * done) + "." * (20 - int(20 * done))
+    filled = int(20 * done)
+    bar = f"[{'#' * filled}{'.' * (20 - filled)}] " if self.progress_bar else ""
     held_out = (f"eval {r.eval_loss:.4f} (ppl {r.eval_perplexity:,.2f})  "
                 if r.eval_loss is not None else "")
-    return (f"[{bar}] step {r.step}/{self.total_steps}  loss {r.loss:.4f}  {held_out}"
+    return (f"{bar}step {r.step}/{self.total_steps}  loss {r.loss:.4f}  {held_out}"
             f"{r.step_s * 1e3:.1f} ms  {r.tokens_per_s:,.0f} tok/s  "
             + (f"MFU {100 * r.mfu:.1f}%  " if r.mfu is not None else "")
             + _memory(r.peak_device_bytes, r.pinned_host_bytes, r.host_rss_bytes))
@@ -211,7 +213,15 @@ def _perplexity(loss: float) -> float:
 
 
 def _memory(peak_device: Optional[int], pinned_host: int, host_rss: Optional[int]) -> str:
-  gib = 2**30
-  device = f"peak device {peak_device / gib:.2f} GiB  " if peak_device else ""
-  rss = f"  host RSS {host_rss / gib:.2f} GiB" if host_rss else ""
-  return device + f"pinned host {pinned_host / gib:.2f} GiB" + rss
+  device = f"peak device {_size(peak_device)}  " if peak_device else ""
+  rss = f"  host RSS {_size(host_rss)}" if host_rss else ""
+  return device + f"pinned host {_size(pinned_host)}" + rss
+
+
+def _size(num_bytes: int) -> str:
+  """Bytes in GiB to two places, or below 0.01 GiB in the largest unit that keeps them
+  nonzero (small models offload a few MiB, which GiB would print as 0.00)."""
+  for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if num_bytes == 0 or num_bytes >= scale // 100:
+      return f"{num_bytes / scale:.2f} {unit}"
+  return f"{num_bytes} B"
