@@ -4,6 +4,7 @@ import dataclasses
 import glob
 import re
 
+import jax
 import numpy as np
 import pytest
 
@@ -210,6 +211,81 @@ def test_every_shipped_config_trains_at_a_tiny_width(path):
 def test_host_kernel_settings_are_checked(overrides, message):
   with pytest.raises(ConfigError, match=re.escape(message)):
     load_config(None, overrides)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["optimizer.optimizer_offload_fraction=0.5"],
+     "optimizer.optimizer_offload_fraction=0.5 needs optimizer.optimizer_cpu_offload=True; "
+     "without it the fraction must be 0.0"),
+    (["optimizer.optimizer_cpu_offload=False", "optimizer.optimizer_offload_fraction=1.0"],
+     "optimizer.optimizer_offload_fraction=1.0 needs optimizer.optimizer_cpu_offload=True; "
+     "without it the fraction must be 0.0"),
+    (["model.cpu_offloading_num_layers=2"],
+     "model.cpu_offloading_num_layers=2 needs model.cpu_offloading=True; without it the count "
+     "must be 0"),
+    (["model.cpu_offloading_num_layers=9"],
+     "model.cpu_offloading_num_layers=9 needs model.cpu_offloading=True; without it the count "
+     "must be 0"),
+    (["model.cpu_offloading=True", "model.cpu_offloading_num_layers=9"],
+     "cpu_offloading_num_layers must be in [0, num_layers - 1] = [0, 3], got 9"),
+])
+def test_a_key_without_its_switch_is_refused(overrides, message):
+  with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
+    load_config("configs/tiny.yaml", overrides)
+
+
+def test_the_defaults_beside_a_switch_turned_off_are_accepted():
+  # As the planner's settings without offload name them.
+  config = load_config("configs/tiny.yaml", [
+      "optimizer.optimizer_cpu_offload=False", "optimizer.optimizer_offload_fraction=0.0",
+      "model.cpu_offloading=False", "model.cpu_offloading_num_layers=0"])
+  assert not config.optimizer.optimizer_cpu_offload and not config.model.cpu_offloading
+
+
+ACTIVATIONS_NOTE = ("note: model.cpu_offloading=True frees no memory on the cpu backend: its "
+                    "offloaded activations stay in the same memory")
+WEIGHTS_NOTE = ("note: model.cpu_offloading_weights=True frees no memory on the cpu backend: "
+                "its offloaded weights stay in the same memory")
+OFFLOAD = ["model.cpu_offloading=True", "model.cpu_offloading_num_layers=2"]
+
+
+@pytest.mark.parametrize("overrides, backend, lines", [
+    (OFFLOAD, "cpu", [ACTIVATIONS_NOTE]),
+    ([*OFFLOAD, "model.cpu_offloading_weights=True"], "cpu", [ACTIVATIONS_NOTE, WEIGHTS_NOTE]),
+    ([*OFFLOAD, "model.cpu_offloading_activations=False", "model.cpu_offloading_weights=True"],
+     "cpu", [WEIGHTS_NOTE]),
+    (["model.cuda_graph_impl=local"], "cpu",
+     ["note: model.cuda_graph_impl=local does nothing on the cpu backend: it has no CUDA graphs"]),
+    (["model.cuda_graph_impl=transformer_engine"], "cpu",
+     ["note: model.cuda_graph_impl=transformer_engine does nothing on the cpu backend: it has no "
+      "CUDA graphs"]),
+    ([*OFFLOAD, "model.cpu_offloading_weights=True"], "gpu", []),
+    (["model.cuda_graph_impl=local"], "gpu", []),
+    ([], "cpu", []),
+])
+def test_what_does_nothing_on_a_cpu_is_noted(overrides, backend, lines):
+  assert rules.warnings(load_config("configs/tiny.yaml", overrides), backend) == lines
+
+
+CUDNN_ON_CPU = ("model.attention_implementation=cudnn needs a GPU; on the cpu backend it must be "
+                "one of [None, 'xla']")
+
+
+def test_cudnn_attention_is_refused_off_a_gpu():
+  config = load_config("configs/tiny.yaml", ["model.attention_implementation=cudnn"])
+  with pytest.raises(ConfigError, match=f"^{re.escape(CUDNN_ON_CPU)}$"):
+    rules.check_backend(config, "cpu")
+  rules.check_backend(config, "gpu")
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the run's own backend is a CPU")
+def test_a_run_with_cudnn_attention_on_a_cpu_stops_before_it_compiles():
+  config = load_config("configs/tiny.yaml", ["model.attention_implementation=cudnn",
+                                             "train.train_iters=1"])
+  logged = []
+  with pytest.raises(ConfigError, match=f"^{re.escape(CUDNN_ON_CPU)}$"):
+    train(config, log=logged.append)
+  assert logged == []
 
 
 def test_the_config_reference_is_generated_from_the_schema():

@@ -90,12 +90,11 @@ def activation_settings(config: Config) -> dict[str, list[str]]:
                          f"model.cpu_offloading_num_layers={m.num_layers - 1}",
                          "model.cpu_offloading_activations=True",
                          f"model.cpu_offloading_weights={weights}"]
+  no_offload = ["model.cpu_offloading=False", "model.cpu_offloading_num_layers=0"]
   settings = {"as configured": []}
-  settings["save everything"] = ["model.cpu_offloading=False", "model.recompute_granularity=null"]
-  settings["recompute selectively"] = ["model.cpu_offloading=False",
-                                       "model.recompute_granularity=selective"]
-  settings["recompute every layer"] = ["model.cpu_offloading=False",
-                                       "model.recompute_granularity=full"]
+  settings["save everything"] = no_offload + ["model.recompute_granularity=null"]
+  settings["recompute selectively"] = no_offload + ["model.recompute_granularity=selective"]
+  settings["recompute every layer"] = no_offload + ["model.recompute_granularity=full"]
   if m.num_layers > 1:
     settings[f"offload {m.cpu_offloading_policy}, {m.num_layers - 1} layers"] = off(False)
     settings[f"offload {m.cpu_offloading_policy} and weights, {m.num_layers - 1} layers"] = (

@@ -156,7 +156,7 @@ def _rest_layers(mode: str, n: int) -> list[str]:
   """Overrides for a model of ``n`` layers, all in ``mode`` (a value of ``_REST_MODES``)."""
   granularity = next(g for g, m in _REST_MODES.items() if m == mode)
   return [f"model.num_layers={n}", "model.cpu_offloading=False",
-          f"model.recompute_granularity={granularity or 'null'}"]
+          "model.cpu_offloading_num_layers=0", f"model.recompute_granularity={granularity or 'null'}"]
 
 
 def _offloaded_layers(n: int) -> list[str]:
@@ -174,7 +174,7 @@ def _fwd_bwd_s(config: Config, overrides: list[str]) -> float:
   small = override(config, overrides + [
       "data.dataset=synthetic", "data.path=null", "data.tokenizer=null", "data.eos_token=null",
       "model.hf_checkpoint=null", "checkpoint.init_from=null",
-      "optimizer.optimizer_cpu_offload=False"])
+      "optimizer.optimizer_cpu_offload=False", "optimizer.optimizer_offload_fraction=0.0"])
   small = override(small, [f"train.global_batch_size={small.train.micro_batch_size}"])
   setup = resolve(small)
   tokens = setup.global_batch(0)

@@ -38,7 +38,8 @@ class ModelConfig(LlamaConfig):
       sets the model's shape (shape keys given beside it must agree), its weights the
       first parameters, its tokenizer.json the text's tokenizer.
     cpu_offloading: activation (and weight) offload, Megatron's master switch.
-    cpu_offloading_num_layers: the first N layers offload; N in [0, num_layers - 1].
+    cpu_offloading_num_layers: the first N layers offload; N in [0, num_layers - 1], with
+      cpu_offloading (0 without it).
     cpu_offloading_activations: those layers send their named activations to pinned_host.
     cpu_offloading_weights: those layers' weights live in pinned_host and come to the
       device layer by layer.
@@ -93,8 +94,8 @@ class OptimizerConfig:
       Without it, the host kernel can start a step's update during its backward pass.
     optimizer_cpu_offload: keep the optimizer state of part of the parameters in host
       memory (``jaxoffload.offload_adamw``, or the host kernel).
-    optimizer_offload_fraction: share of parameter elements whose state is offloaded,
-      in [0.0, 1.0]: whole leaves, those whose share lies nearest (the trainer logs the
+    optimizer_offload_fraction: with optimizer_cpu_offload (0.0 without it), the share of
+      parameter elements whose state is offloaded, in [0.0, 1.0]: whole leaves, those whose share lies nearest (the trainer logs the
       achieved share); or auto: the least share (in layer-sized steps) whose step fits
       this machine's device and host memory, compiled from shapes before anything is
       allocated, on the placement that adds least (``python -m jaxoffload.plan
@@ -274,7 +275,8 @@ class LoggingConfig:
     jsonl: a file to append one JSON record per step to (step, loss, step_s,
       tokens_per_s, mfu, learning_rate, grad_norm, peak_device_bytes, pinned_host_bytes,
       host_rss_bytes, and eval_loss and eval_perplexity at evaluations).
-    progress_bar: on a terminal, one progress line redrawn in place.
+    progress_bar: on a terminal, one progress line redrawn in place; false: a line
+      each log_interval without the bar.
     tensorboard_dir: a directory for TensorBoard event files of the same figures
       (needs tensorboardX: pip install 'jaxoffload[metrics]').
     profile_dir: a directory for a ``jax.profiler`` trace of profile_steps steps from

@@ -74,6 +74,8 @@ def run(config: Config, *, log: Log = print, stop_after_step: Optional[int] = No
   reporting = jax.process_index() == 0
   if not reporting:
     log = lambda _: None
+  # Before resolve: an auto offload fraction compiles steps to pick one.
+  rules.check_backend(config, jax.default_backend())
   setup = resolve(config)
   config = setup.config
   need = host_memory.check(setup)  # Before anything is allocated.
@@ -177,6 +179,7 @@ def _monitor(setup: Setup, pinned_host_bytes: int, log: Log, reporting: bool,
       pinned_host_bytes=pinned_host_bytes, log=log, log_interval=config.logging.log_interval,
       jsonl=jsonl, tensorboard=tensorboard,
       live=config.logging.progress_bar and log is print and sys.stdout.isatty(),
+      progress_bar=config.logging.progress_bar,
       peak_device_bytes=jaxoffload.peak_device_bytes, host_rss_bytes=host_rss_bytes)
 
 
@@ -192,9 +195,11 @@ def _announce(setup: Setup, trainer: Trainer, log: Log) -> None:
     log(str(trainer.host))
   elif setup.offload is not None:
     log(str(setup.offload))
-  warnings = rules.warnings(config, jax.default_backend())
-  if m.cuda_graph_impl != "none" and launch.COMMAND_BUFFER_FLAG not in os.environ.get(
-      "XLA_FLAGS", ""):
+  backend = jax.default_backend()
+  warnings = rules.warnings(config, backend)
+  # Elsewhere the flag changes nothing: rules.warnings says so.
+  if backend == "gpu" and m.cuda_graph_impl != "none" and (
+      launch.COMMAND_BUFFER_FLAG not in os.environ.get("XLA_FLAGS", "")):
     warnings.append(f"warning: model.cuda_graph_impl={m.cuda_graph_impl!r} needs XLA_FLAGS="
                     f"{launch.COMMAND_BUFFER_FLAG} before JAX starts; python -m jaxoffload.train "
                     f"sets it")

@@ -1,9 +1,10 @@
 """The reference system's rules, and this trainer's, as pure functions of a ``Config``.
 
 ``check`` raises ``ConfigError`` with the reference's wording where it has one;
-``warnings`` lists the settings that run but run slowly. Nothing
-here reads files or the machine: what depends on them is checked where the
-run is set up (``jaxoffload.train.setup``).
+``check_backend`` refuses what the run's backend cannot run, and ``warnings`` lists
+the settings that run slowly there, or do nothing. Nothing here reads files or
+the machine (the backend is an argument): what depends on them is checked where
+the run is set up (``jaxoffload.train.setup``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from jaxoffload import remat
 from jaxoffload.adam import UPDATE_PLACES
 from jaxoffload.memory import parse_bytes
 from jaxoffload.placement import check_fraction
-from jaxoffload.train.config import Config, ConfigError
+from jaxoffload.train.config import Config, ConfigError, ModelConfig, OptimizerConfig
 from jaxoffload.train.tokenizer import BYTE_VOCAB_SIZE
 
 DTYPES = ("float32", "bfloat16")
@@ -66,9 +67,18 @@ def compact_moments(config: Config) -> bool:
   return any(d != "float32" for d in moment_dtypes(config))
 
 
+def check_backend(config: Config, backend: str) -> None:
+  """Raises ``ConfigError`` for a setting ``backend`` cannot run, before anything compiles."""
+  m = config.model
+  if m.attention_implementation == "cudnn" and backend != "gpu":
+    allowed = [a for a in ATTENTION_IMPLEMENTATIONS if a != "cudnn"]
+    raise ConfigError(f"model.attention_implementation=cudnn needs a GPU; on the {backend} "
+                      f"backend it must be one of {allowed}")
+
+
 def warnings(config: Config, backend: str) -> list[str]:
-  """Lines for the settings that run slowly on ``backend``."""
-  o, mesh = config.optimizer, config.mesh
+  """Lines for the settings that run slowly on ``backend``, or do nothing there."""
+  m, o, mesh = config.model, config.optimizer, config.mesh
   lines = []
   if (backend == "gpu" and o.optimizer_cpu_offload and o.optimizer_offload_update_on == "device"
       and max(mesh.fsdp, mesh.tensor) > 1):
@@ -76,6 +86,17 @@ def warnings(config: Config, backend: str) -> list[str]:
         f"warning: optimizer offload streamed through the device on a mesh with fsdp="
         f"{mesh.fsdp}, tensor={mesh.tensor} ran slowly on GPUs "
         f"(docs/performance.md#several-gpus); mesh.data avoids it.")
+  if backend == "cpu":
+    # XLA's CPU client puts pinned_host arrays in the one memory it has.
+    if m.cpu_offloading and m.cpu_offloading_activations:
+      lines.append("note: model.cpu_offloading=True frees no memory on the cpu backend: its "
+                   "offloaded activations stay in the same memory")
+    if m.cpu_offloading and m.cpu_offloading_weights:
+      lines.append("note: model.cpu_offloading_weights=True frees no memory on the cpu backend: "
+                   "its offloaded weights stay in the same memory")
+    if m.cuda_graph_impl != "none":
+      lines.append(f"note: model.cuda_graph_impl={m.cuda_graph_impl} does nothing on the cpu "
+                   f"backend: it has no CUDA graphs")
   return lines
 
 
@@ -176,16 +197,22 @@ def _check_optimizer(config: Config) -> None:
   if not o.clip_grad >= 0:
     raise ConfigError(f"optimizer.clip_grad must be >= 0 (0: no clipping), got {o.clip_grad}")
   _at_least("optimizer.weight_decay", o.weight_decay, 0)
-  if o.optimizer_offload_fraction == "auto":
+  fraction, unset = o.optimizer_offload_fraction, OptimizerConfig.optimizer_offload_fraction
+  if fraction == "auto":
     if not o.optimizer_cpu_offload:
       raise ConfigError("optimizer.optimizer_offload_fraction=auto picks how much to offload: "
                         "it needs optimizer.optimizer_cpu_offload=True")
   else:
     try:
-      check_fraction(o.optimizer_offload_fraction)
+      check_fraction(fraction)
     except ValueError:
       raise ConfigError(f"optimizer.optimizer_offload_fraction must be in [0.0, 1.0] or auto, "
-                        f"got {o.optimizer_offload_fraction!r}") from None
+                        f"got {fraction!r}") from None
+    # The default, which settings without offload may name beside the switch (the planner's).
+    if not o.optimizer_cpu_offload and fraction != unset:
+      raise ConfigError(f"optimizer.optimizer_offload_fraction={fraction} needs "
+                        f"optimizer.optimizer_cpu_offload=True; without it the fraction must "
+                        f"be {unset}")
   if o.overlap_cpu_optimizer_d2h_h2d and o.optimizer_offload_update_on == "host":
     raise ConfigError(
         "optimizer.overlap_cpu_optimizer_d2h_h2d=True overlaps the update with the device's "
@@ -298,6 +325,11 @@ def _check_model(config: Config) -> None:
                       "parallelism; shard over mesh.fsdp and mesh.tensor instead")
   if m.cpu_offloading and m.cuda_graph_impl != "none":
     raise ConfigError("CUDA graphs not supported with CPU offloading.")
+  unset = ModelConfig.cpu_offloading_num_layers
+  if not m.cpu_offloading and m.cpu_offloading_num_layers != unset:
+    # Megatron ignores the count without its switch; a count given means offload was meant.
+    raise ConfigError(f"model.cpu_offloading_num_layers={m.cpu_offloading_num_layers} needs "
+                      f"model.cpu_offloading=True; without it the count must be {unset}")
   if m.cpu_offloading_double_buffering:
     raise ConfigError("model.cpu_offloading_double_buffering=True has no setting in JAX: XLA's "
                       "scheduler decides when offloaded layers' copies start; its flag "
