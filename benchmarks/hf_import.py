@@ -120,7 +120,7 @@ def fine_tune(directory: str, config_path: str, overrides: list[str], export_dir
     stage(f"step {i + 1}: loss {losses[-1]:.4f} in {step_s[-1]:.2f} s")
   trained_rss = peak_host_rss_bytes()
   start = time.perf_counter()
-  hf.save_checkpoint(export_dir, setup.model, trainer.checkpoint()["params"])
+  hf.save_checkpoint(export_dir, setup.model, trainer.checkpoint()["params"], dtype="bfloat16")
   export_s = time.perf_counter() - start
   stage(f"exported in {export_s:.1f} s")
   return {"import_s": import_s, "peak_rss_after_import": import_rss, "compile_s": compile_s,

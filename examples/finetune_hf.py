@@ -5,13 +5,15 @@
 CHECKPOINT_DIR is what transformers' ``save_pretrained`` writes (config.json,
 safetensors, tokenizer.json); TEXT a text or JSONL file, a directory or a glob.
 By default: the tiny checkpoint the tests ship, the text jaxoffload ships, and
-``finetuned/``. The run keeps half of Adam's state in host memory, evaluates
-on a held-out slice of the text, checkpoints, and writes OUT_DIR/hf, which
-transformers' ``from_pretrained`` reads.
+a new directory in the system's temporary directory, named on the last line
+printed. The run keeps half of Adam's state in host memory, evaluates on a
+held-out slice of the text, checkpoints in OUT_DIR/run, and writes OUT_DIR/hf,
+which transformers' ``from_pretrained`` reads.
 """
 
 import os
 import sys
+import tempfile
 
 from jaxoffload.export import export
 from jaxoffload.train import load_config, run
@@ -19,8 +21,10 @@ from jaxoffload.train import load_config, run
 TINY = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "tiny_llama")
 
 
-def main(checkpoint: str = TINY, text: str | None = None, out: str = "finetuned",
+def main(checkpoint: str = TINY, text: str | None = None, out: str | None = None,
          steps: int = 30):
+  # Not the working directory: run from a clone, the example would leave its files there.
+  out = out or tempfile.mkdtemp(prefix="finetuned-")
   overrides = [
       f"model.hf_checkpoint={checkpoint}", "model.seq_length=64",
       "data.dataset=text", *([f"data.path={text}"] if text else []),

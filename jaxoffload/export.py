@@ -6,8 +6,10 @@ CHECKPOINT is a run's ``checkpoint.dir`` (its newest step is taken) or one
 step directory in it. OUT receives ``config.json`` and safetensors, which
 transformers' ``from_pretrained`` and ``model.hf_checkpoint`` read, and the
 tokenizer files of the checkpoint the run started from (``model.hf_checkpoint``)
-or of its ``data.tokenizer``, where they still are. The parameters are read
-onto the CPU, whatever placement the run used.
+or of its ``data.tokenizer``, where they still are. The tensors keep that
+checkpoint's dtype (bfloat16 without one) and ``config.json`` its fields the
+model does not decide (token ids...). The parameters are read onto the CPU,
+whatever placement the run used.
 """
 
 from __future__ import annotations
@@ -41,9 +43,11 @@ def export(checkpoint: str, out: str, dtype: Optional[str] = None) -> list[str]:
   """
   config, params = run_params(checkpoint)
   source = config.model.hf_checkpoint
-  if dtype is None:
-    dtype = (stored_dtype(source) if source and os.path.isdir(source) else None) or "bfloat16"
-  hf.save_checkpoint(out, config.model.llama(), params, dtype=dtype)
+  present = source if source and os.path.isdir(source) else None
+  if dtype is None and (present is None or stored_dtype(present) is None):
+    # No source's dtype to keep: the one published Llama checkpoints are shared in.
+    dtype = "bfloat16"
+  hf.save_checkpoint(out, config.model.llama(), params, dtype=dtype, source=present)
   tokenizer = source or config.data.tokenizer
   if tokenizer is not None:
     directory = tokenizer if os.path.isdir(tokenizer) else os.path.dirname(tokenizer)

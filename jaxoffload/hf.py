@@ -28,7 +28,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from jaxoffload._compat import to_device
-from jaxoffload.hf_config import CONFIG_FILE, CheckpointError, hf_config, read_config
+from jaxoffload.hf_config import (CONFIG_FILE, DTYPES, CheckpointError, hf_config, read_config,
+                                  read_raw_config, stored_dtype)
 from jaxoffload.model import Llama, LlamaConfig
 from jaxoffload.params import abstract_params
 from jaxoffload.placement import leaf_path
@@ -230,8 +231,34 @@ def _tensors(config: LlamaConfig, params: Any, dtype) -> Iterator[tuple[str, np.
     yield "lm_head.weight", _tensor(by_path["lm_head/kernel"], None, dtype, True)
 
 
+def _params_dtype(params: Any) -> str:
+  """The parameters' own dtype; float32 where they mix, which holds each of them exactly."""
+  names = {np.dtype(leaf.dtype).name for leaf in jax.tree.leaves(params)}
+  if not names <= set(DTYPES):
+    raise ValueError(f"parameters of dtype {', '.join(sorted(names - set(DTYPES)))} cannot be "
+                     f"stored as they are; pass dtype= one of {', '.join(DTYPES)}")
+  return names.pop() if len(names) == 1 else "float32"
+
+
+def _umask() -> int:
+  """The process's umask, read without changing it where Linux shows it."""
+  try:
+    with open("/proc/self/status") as f:
+      for line in f:
+        if line.startswith("Umask:"):
+          return int(line.split()[1], 8)
+  except OSError:
+    pass
+  # Elsewhere only setting it tells it; it is set back at once, but a file another
+  # thread creates in between gets 022.
+  mask = os.umask(0o022)
+  os.umask(mask)
+  return mask
+
+
 def save_checkpoint(directory: str, config: LlamaConfig, params: Any, *,
-                    dtype: str = "bfloat16", max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+                    dtype: Optional[str] = None, source: Optional[str] = None,
+                    max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
   """Writes ``params`` as a checkpoint transformers and ``load_checkpoint`` read.
 
   Each shard is written as soon as it is full, so the host holds at most one
@@ -243,13 +270,31 @@ def save_checkpoint(directory: str, config: LlamaConfig, params: Any, *,
       shards and ``model.safetensors.index.json`` past ``max_shard_bytes``.
     config: the model's config.
     params: its parameter tree, any layer grouping, sharding or memory kind.
-    dtype: the tensors' dtype on disk: bfloat16, float16 or float32.
+    dtype: the tensors' dtype on disk: bfloat16, float16 or float32; default: the
+      ``source`` checkpoint's, else the parameters' own (float32 where they mix), so
+      that loading gives back the same values.
+    source: the checkpoint directory the model was imported from: its ``config.json``
+      fields the model does not decide (token ids, ``initializer_range``...) are kept.
+
+  Raises:
+    ValueError: ``dtype`` is none of the three, or ``params`` need one named.
+    CheckpointError: ``source`` has no readable ``config.json``.
 
   Example:
-    >>> save_checkpoint("fine-tuned", config, params)
+    >>> save_checkpoint("fine-tuned", config, params, source="Llama-3.2-1B")
   """
+  raw = read_raw_config(source) if source is not None else None
+  if dtype is None:
+    dtype = (stored_dtype(source) if source is not None else None) or _params_dtype(params)
+  stored = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+  if stored not in DTYPES:
+    raise ValueError(f"dtype {stored!r} cannot be stored; save_checkpoint writes "
+                     f"{', '.join(DTYPES)}")
+  dtype = jnp.dtype(stored)
   os.makedirs(directory, exist_ok=True)
-  dtype = jnp.dtype(dtype)
+  # safetensors writes through a temporary file, created 0600 and renamed into place;
+  # the checkpoint's files get the mode any file the user creates gets.
+  mode = 0o666 & ~_umask()
   # Shards are written under their number alone: their count is known only at the end.
   written: list[tuple[str, dict[str, int]]] = []
   shard: dict[str, np.ndarray] = {}
@@ -257,6 +302,7 @@ def save_checkpoint(directory: str, config: LlamaConfig, params: Any, *,
   def flush() -> None:
     file = os.path.join(directory, f"model-{len(written) + 1:05d}.safetensors.partial")
     save_file(shard, file, metadata={"format": "pt"})
+    os.chmod(file, mode)
     written.append((file, {name: tensor.nbytes for name, tensor in shard.items()}))
     shard.clear()
 
@@ -276,4 +322,5 @@ def save_checkpoint(directory: str, config: LlamaConfig, params: Any, *,
     with open(os.path.join(directory, INDEX_FILE), "w") as f:
       json.dump(index, f, indent=2)
   with open(os.path.join(directory, CONFIG_FILE), "w") as f:
-    json.dump(hf_config(config, dtype.name), f, indent=2)
+    json.dump(hf_config(config, dtype.name, raw), f, indent=2, sort_keys=True)
+    f.write("\n")

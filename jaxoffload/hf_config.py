@@ -7,10 +7,14 @@ the ``rope_parameters`` field newer transformers write), ``rms_norm_eps``,
 ``tie_word_embeddings``, ``max_position_embeddings`` and the vocabulary. What
 the model does not implement (biases, sliding windows, other rope types,
 experts, other activations) is refused, naming the field and its value.
+Written back, the fields are in the installed transformers' own keys (without
+it, transformers 5's: ``dtype``, ``rope_parameters``), and the fields of the
+checkpoint the model came from that it does not decide are kept.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 from typing import Any, Optional
@@ -61,6 +65,25 @@ def _rope(file: str, raw: dict) -> dict[str, Any]:
               int(scaling["original_max_position_embeddings"])}
 
 
+def read_raw_config(directory: str) -> dict[str, Any]:
+  """A checkpoint directory's ``config.json`` as written, every field kept.
+
+  Raises:
+    CheckpointError: naming the file, when it cannot be read as a JSON object.
+  """
+  file = os.path.join(directory, CONFIG_FILE)
+  try:
+    with open(file) as f:
+      raw = json.load(f)
+  except OSError as error:
+    raise CheckpointError(f"{file}: cannot be read ({error.strerror})") from None
+  except ValueError as error:
+    raise CheckpointError(f"{file}: not valid JSON ({error})") from None
+  if not isinstance(raw, dict):
+    raise CheckpointError(f"{file}: holds a JSON {type(raw).__name__}; a config is a JSON object")
+  return raw
+
+
 def read_config(directory: str, **overrides: Any) -> LlamaConfig:
   """The ``LlamaConfig`` of a checkpoint directory's ``config.json``.
 
@@ -73,13 +96,7 @@ def read_config(directory: str, **overrides: Any) -> LlamaConfig:
     CheckpointError: naming the file and the field it cannot read or does not support.
   """
   file = os.path.join(directory, CONFIG_FILE)
-  try:
-    with open(file) as f:
-      raw = json.load(f)
-  except OSError as error:
-    raise CheckpointError(f"{file}: cannot be read ({error.strerror})") from None
-  except ValueError as error:
-    raise CheckpointError(f"{file}: not valid JSON ({error})") from None
+  raw = read_raw_config(directory)
   _refuse_unsupported(file, raw)
   try:
     heads = raw["num_attention_heads"]
@@ -99,31 +116,69 @@ def read_config(directory: str, **overrides: Any) -> LlamaConfig:
 
 
 def stored_dtype(directory: str) -> Optional[str]:
-  """The dtype config.json says the weights are stored in (``torch_dtype`` or ``dtype``)."""
-  with open(os.path.join(directory, CONFIG_FILE)) as f:
-    raw = json.load(f)
-  dtype = raw.get("torch_dtype") or raw.get("dtype")
+  """The dtype config.json says the weights are stored in (``dtype``, or ``torch_dtype``)."""
+  raw = read_raw_config(directory)
+  dtype = raw.get("dtype") or raw.get("torch_dtype")
   return dtype if dtype in DTYPES else None
 
 
-def hf_config(config: LlamaConfig, dtype: str) -> dict[str, Any]:
-  """``config`` as transformers' LlamaConfig fields, with weights stored in ``dtype``."""
-  rope_scaling = None
+def hf_config(config: LlamaConfig, dtype: str,
+              source: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+  """``config`` as the fields of a ``config.json``, with weights stored in ``dtype``.
+
+  Args:
+    config: the model's config.
+    dtype: the tensors' dtype on disk.
+    source: the ``config.json`` fields of the checkpoint the model was imported from:
+      those the model does not decide (token ids, ``initializer_range``, ``use_cache``...)
+      are kept.
+
+  Returns:
+    What the installed transformers' ``LlamaConfig.save_pretrained`` writes for these
+    fields, its keys and defaults; without transformers, the same fields in the keys
+    transformers 5 writes.
+  """
+  rope = {"rope_type": "default", "rope_theta": config.rope_theta}
   if config.rope_scaling_factor is not None:
-    rope_scaling = {
-        "rope_type": "llama3", "factor": config.rope_scaling_factor,
+    rope = {
+        "rope_type": "llama3", "rope_theta": config.rope_theta,
+        "factor": config.rope_scaling_factor,
         "low_freq_factor": config.rope_scaling_low_freq_factor,
         "high_freq_factor": config.rope_scaling_high_freq_factor,
         "original_max_position_embeddings": config.rope_scaling_original_max_position_embeddings}
-  return {
+  model = {
       "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
       "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
       "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_layers,
       "num_attention_heads": config.num_attention_heads,
       "num_key_value_heads": config.num_query_groups, "head_dim": config.head_dim,
       "max_position_embeddings": config.max_position_embeddings or config.seq_length,
-      "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta,
-      "rope_scaling": rope_scaling,
+      "rms_norm_eps": config.rms_norm_eps, "rope_parameters": rope,
       "tie_word_embeddings": config.share_embeddings_and_output_weights,
-      "attention_bias": False, "mlp_bias": False, "torch_dtype": dtype,
+      "attention_bias": False, "mlp_bias": False, "dtype": dtype,
   }
+  # The older spellings of what the model decides would contradict it; the version is
+  # the writer's, not the source's.
+  superseded = {"torch_dtype", "rope_theta", "rope_scaling", "transformers_version"}
+  kept = {k: v for k, v in (source or {}).items() if k not in model and k not in superseded}
+  fields = {**kept, **model}
+  try:
+    from transformers import LlamaConfig as TransformersConfig  # The hf extra: optional.
+  except ImportError:
+    return fields
+  # Through transformers' own class, the file holds the keys and defaults that the
+  # transformers reading it will expect, as its save_pretrained would write them.
+  if "rope_parameters" not in inspect.signature(TransformersConfig.__init__).parameters:
+    fields = older_keys(fields)
+  return TransformersConfig(**fields).to_diff_dict()
+
+
+def older_keys(fields: dict[str, Any]) -> dict[str, Any]:
+  """``fields`` with rope and dtype in the keys transformers before 5 takes, which would
+  keep ``rope_parameters`` as an unknown field and give the model its default rope."""
+  fields = dict(fields)
+  rope = dict(fields.pop("rope_parameters"))
+  fields["rope_theta"] = rope.pop("rope_theta")
+  fields["rope_scaling"] = None if rope["rope_type"] == "default" else rope
+  fields["torch_dtype"] = fields.pop("dtype")
+  return fields

@@ -1,7 +1,10 @@
 """Every example runs at its own tiny shapes and does what its docstring says."""
 
+import os
 import re
 import runpy
+import subprocess
+import tempfile
 
 import jax
 import numpy as np
@@ -9,6 +12,28 @@ import pytest
 
 from jaxoffload import hf
 from tests.helpers import max_rel_diff
+
+
+def untracked_files() -> set[str]:
+  """The files ``git status --porcelain`` lists as untracked, one by one, ignored ones left out."""
+  status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"],
+                          capture_output=True, text=True, check=True).stdout
+  return {line[3:] for line in status.splitlines() if line.startswith("?? ")}
+
+
+@pytest.fixture(autouse=True)
+def leaves_no_file_in_the_repository():
+  # Users run the examples from a clone: whatever one writes must go elsewhere. Files
+  # already there are left out, and edits to tracked ones, which are not an example's.
+  before = untracked_files()
+  yield
+  assert untracked_files() - before == set()
+
+
+def test_every_example_is_run_here():
+  with open(__file__) as f:
+    tested = set(re.findall(r'example\("(\w+)"\)', f.read()))
+  assert tested == {name[:-3] for name in os.listdir("examples") if name.endswith(".py")}
 
 
 def example(name: str) -> dict:
@@ -43,11 +68,15 @@ def test_sharded_offload_keeps_each_shard_of_the_moments_in_its_hosts_memory(cap
 
 
 @pytest.mark.slow
-def test_finetune_hf_trains_evaluates_and_exports(tmp_path):
-  result = example("finetune_hf")["main"](out=str(tmp_path), steps=12)
+def test_finetune_hf_trains_evaluates_and_exports(tmp_path, monkeypatch, capsys):
+  # Its default output directory, as a user running it from the repository gets it.
+  monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+  result = example("finetune_hf")["main"](steps=12)
   losses = result.losses
   assert losses[-1] < losses[0]
   assert [r.step for r in result.records if r.eval_loss is not None] == [4, 8, 12]
-  config, _ = hf.load_checkpoint(str(tmp_path / "hf"))
+  [out] = tmp_path.glob("finetuned-*")
+  assert capsys.readouterr().out.splitlines()[-1].endswith(f" to {out}/hf")
+  config, _ = hf.load_checkpoint(str(out / "hf"))
   assert config == hf.load_checkpoint("tests/fixtures/tiny_llama")[0]
-  assert (tmp_path / "hf" / "tokenizer.json").exists()
+  assert (out / "hf" / "tokenizer.json").exists()

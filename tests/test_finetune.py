@@ -2,6 +2,7 @@
 
 import json
 import os
+import stat
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +55,15 @@ def test_fine_tuning_checkpoints_and_exports_bit_exactly(tmp_path):
     assert exported[name].dtype == tensor.dtype
     np.testing.assert_array_equal(exported[name], tensor)
   assert hf.load_checkpoint(str(tmp_path / "hf"))[0] == hf.load_checkpoint(CHECKPOINT)[0]
+  # The source's config.json, every field kept but the writer's version.
+  written = json.loads((tmp_path / "hf" / "config.json").read_text())
+  with open(os.path.join(CHECKPOINT, "config.json")) as f:
+    source = json.load(f)
+  assert {**written, "transformers_version": None} == {**source, "transformers_version": None}
+  # Shared like any file the user creates.
+  umask = os.umask(0)
+  os.umask(umask)
+  assert {stat.S_IMODE(os.stat(tmp_path / "hf" / f).st_mode) for f in files} == {0o666 & ~umask}
 
 
 @pytest.mark.slow

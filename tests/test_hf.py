@@ -4,6 +4,7 @@ import dataclasses
 import json
 import os
 import shutil
+import stat
 
 import jax
 import jax.numpy as jnp
@@ -83,13 +84,24 @@ def test_the_older_rope_fields_read_the_same(tmp_path):
   assert read_config(str(directory)) == read_config(os.path.join(FIXTURES, "tiny_llama"))
 
 
+def bits(x):
+  """The array's bytes as unsigned integers: equal only where every bit is."""
+  x = np.asarray(x)
+  return x.view(f"u{x.dtype.itemsize}")
+
+
+def without_version(directory):
+  """config.json's fields but the version of transformers that wrote it."""
+  with open(os.path.join(directory, "config.json")) as f:
+    return {k: v for k, v in json.load(f).items() if k != "transformers_version"}
+
+
 @pytest.mark.parametrize("name", CHECKPOINTS)
 def test_import_export_import_is_bit_exact(tmp_path, name):
+  # The source's dtype (float32 and bfloat16 files), and its config.json, are kept.
   source = os.path.join(FIXTURES, name)
   config, params = hf.load_checkpoint(source)
-  stored = str(np.asarray(load_file(os.path.join(source, "model.safetensors"))[
-      "model.embed_tokens.weight"]).dtype)
-  hf.save_checkpoint(str(tmp_path), config, params, dtype=stored)
+  hf.save_checkpoint(str(tmp_path), config, params, source=source)
   again_config, again = hf.load_checkpoint(str(tmp_path))
   assert again_config == config
   for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(params)):
@@ -99,6 +111,75 @@ def test_import_export_import_is_bit_exact(tmp_path, name):
   for key in original:
     assert written[key].dtype == original[key].dtype
     np.testing.assert_array_equal(written[key], original[key])
+  assert without_version(tmp_path) == without_version(source)
+
+
+@pytest.mark.parametrize("params_dtype", ["float32", "bfloat16"])
+def test_by_default_the_parameters_are_stored_in_their_own_dtype(tmp_path, params_dtype):
+  directory = os.path.join(FIXTURES, "tiny_llama")
+  config, params = hf.load_checkpoint(directory,
+                                      config=read_config(directory, params_dtype=params_dtype))
+  if params_dtype == "float32":  # Values bfloat16 would round, as torch's init drew them.
+    kernel = np.asarray(params["lm_head"]["kernel"])
+    assert not np.array_equal(kernel, kernel.astype(jnp.bfloat16).astype(np.float32))
+  hf.save_checkpoint(str(tmp_path), config, params)
+  assert json.loads((tmp_path / "config.json").read_text())["dtype"] == params_dtype
+  stored = load_file(str(tmp_path / "model.safetensors"))
+  assert {str(t.dtype) for t in stored.values()} == {params_dtype}
+  _, again = hf.load_checkpoint(str(tmp_path), config=config)
+  for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(params)):
+    assert a.dtype == b.dtype
+    np.testing.assert_array_equal(bits(a), bits(b))
+
+
+def test_mixed_parameters_are_stored_in_float32_and_others_need_a_dtype(tmp_path):
+  config, params = hf.load_checkpoint(os.path.join(FIXTURES, "tiny_llama"))
+  mixed = {**params, "embed": jax.tree.map(lambda x: x.astype(jnp.bfloat16), params["embed"])}
+  hf.save_checkpoint(str(tmp_path / "mixed"), config, mixed)
+  _, again = hf.load_checkpoint(str(tmp_path / "mixed"))
+  for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(mixed)):
+    np.testing.assert_array_equal(bits(a), bits(np.asarray(b).astype(np.float32)))
+  wide = jax.tree.map(lambda x: np.asarray(x, np.float64), params)
+  with pytest.raises(ValueError, match=r"^parameters of dtype float64 cannot be stored as they "
+                                       r"are; pass dtype= one of bfloat16, float16, float32$"):
+    hf.save_checkpoint(str(tmp_path / "wide"), config, wide)
+  with pytest.raises(ValueError, match=r"^dtype 'int8' cannot be stored; save_checkpoint writes "
+                                       r"bfloat16, float16, float32$"):
+    hf.save_checkpoint(str(tmp_path / "int8"), config, params, dtype="int8")
+  assert not (tmp_path / "wide").exists() and not (tmp_path / "int8").exists()
+
+
+def test_config_json_keeps_the_sources_fields_in_the_current_keys(tmp_path):
+  source = copy_checkpoint(tmp_path)
+  rope = json.loads((source / "config.json").read_text())["rope_parameters"]
+  # A source in the keys transformers 4 wrote, with fields the model does not decide
+  # that are not transformers' defaults.
+  rewrite_config(source, dtype=None, torch_dtype="float32", rope_parameters=None,
+                 rope_theta=rope["rope_theta"],
+                 rope_scaling={k: v for k, v in rope.items() if k != "rope_theta"},
+                 bos_token_id=5, eos_token_id=[6, 7], initializer_range=0.01, use_cache=False)
+  config, params = hf.load_checkpoint(str(source))
+  hf.save_checkpoint(str(tmp_path / "out"), config, params, source=str(source))
+  written = json.loads((tmp_path / "out" / "config.json").read_text())
+  assert (written["dtype"], written["rope_parameters"]) == ("float32", rope)
+  assert not {"torch_dtype", "rope_theta", "rope_scaling"} & set(written)
+  assert ([written[k] for k in ("bos_token_id", "eos_token_id", "initializer_range", "use_cache")]
+          == [5, [6, 7], 0.01, False])
+  assert read_config(str(tmp_path / "out")) == config
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640)], ids=["022", "027"])
+def test_written_files_follow_the_umask(tmp_path, umask, mode):
+  config, params = hf.load_checkpoint(os.path.join(FIXTURES, "tiny_llama"))
+  previous = os.umask(umask)
+  try:
+    hf.save_checkpoint(str(tmp_path), config, params, max_shard_bytes=40_000)
+  finally:
+    os.umask(previous)
+  modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in tmp_path.iterdir()}
+  assert {"config.json", "model.safetensors.index.json"} <= set(modes)
+  assert sum(name.endswith(".safetensors") for name in modes) > 1
+  assert set(modes.values()) == {mode}, {name: oct(m) for name, m in modes.items()}
 
 
 def test_shards_and_an_index_past_the_shard_size(tmp_path):
