@@ -246,7 +246,7 @@ ACTIVATIONS = ["model.cpu_offloading=True", "model.cpu_offloading_num_layers=1"]
 @pytest.mark.parametrize("before, after", [
     pytest.param(OFFLOAD, HOST_KERNEL[:1] + ["optimizer.optimizer_offload_fraction=1.0",
                                              "optimizer.optimizer_offload_update_on=host_kernel"],
-                 id="device-to-host-kernel"),
+                 id="device-to-host-kernel", marks=pytest.mark.slow),
     pytest.param(HOST_KERNEL, ["optimizer.optimizer_cpu_offload=False"] + ACTIVATIONS
                  + ["model.cpu_offloading_weights=True"], id="host-kernel-to-weights-offload",
                  marks=pytest.mark.slow),
@@ -262,7 +262,7 @@ ACTIVATIONS = ["model.cpu_offloading=True", "model.cpu_offloading_num_layers=1"]
     # 8-bit moments on the device into the host kernel's 8-bit moments.
     pytest.param(["optimizer.exp_avg_dtype=int8", "optimizer.exp_avg_sq_dtype=int8"],
                  HOST_KERNEL + ["optimizer.exp_avg_dtype=int8", "optimizer.exp_avg_sq_dtype=int8"],
-                 id="8-bit-moments-device-to-host-kernel"),
+                 id="8-bit-moments-device-to-host-kernel", marks=pytest.mark.slow),
 ])
 def test_a_checkpoint_resumes_under_another_setting_with_its_state_intact(tmp_path, before,
                                                                           after):
@@ -289,7 +289,8 @@ def test_a_checkpoint_resumes_under_another_setting_with_its_state_intact(tmp_pa
       float(trainer.step(trainer.setup.global_batch(1))[0]), rel=1e-5)
 
 
-@pytest.mark.parametrize("offload", [OFFLOAD, pytest.param(HOST_KERNEL, marks=pytest.mark.slow)],
+@pytest.mark.parametrize("offload", [pytest.param(OFFLOAD, marks=pytest.mark.slow),
+                                     pytest.param(HOST_KERNEL, marks=pytest.mark.slow)],
                          ids=["device", "host-kernel"])
 def test_saving_host_resident_state_every_step_changes_no_loss(tmp_path, offload):
   # Orbax reads host-resident buffers in place (on a GPU a step may then not donate them

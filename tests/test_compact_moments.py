@@ -35,7 +35,8 @@ def compact_adamw(dtype, fraction):
 
 
 @pytest.mark.parametrize("fraction", [0.0, pytest.param(1.0, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("dtype", [pytest.param("float32", marks=pytest.mark.slow), "bfloat16",
+                                   "int8"])
 def test_compact_moments_train_near_float64_adamw_on_a_mesh(dtype, fraction):
   params = sharded_params()
   got, state, _ = train(compact_adamw(dtype, fraction), params, STEPS)
@@ -56,7 +57,7 @@ def test_compact_moments_train_near_float64_adamw_on_a_mesh(dtype, fraction):
         assert scales.sharding.spec == P(rows, None)
 
 
-@pytest.mark.parametrize("fraction", [0.0, 1.0])
+@pytest.mark.parametrize("fraction", [0.0, pytest.param(1.0, marks=pytest.mark.slow)])
 def test_eight_bit_moments_update_as_the_host_kernel_updates_them(fraction):
   params = {"w": jax.random.normal(jax.random.PRNGKey(1), (16, 600))}
   got, state, _ = train(compact_adamw("int8", fraction), params, STEPS)

@@ -386,7 +386,7 @@ def test_bfloat16_transfers_change_no_loss_and_keep_norm_scales_float32():
     assert kept.dtype == jnp.float32
 
 
-@pytest.mark.parametrize("overlap", [pytest.param(True, id="overlapped"),
+@pytest.mark.parametrize("overlap", [pytest.param(True, marks=SLOW, id="overlapped"),
                                      pytest.param(False, marks=SLOW, id="one-program")])
 def test_split_masters_train_as_float32_weights_in_half_the_pinned_memory(overlap):
   # The device reads the bfloat16 halves of the host's split masters where it read the
