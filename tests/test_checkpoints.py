@@ -209,6 +209,35 @@ def test_what_cannot_resume_is_named_and_nothing_is_renamed(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_checkpoint_past_train_iters_is_refused_before_compiling(tmp_path):
+  base = [f"checkpoint.dir={tmp_path}", "train.train_iters=4"]
+  train(load_config(None, base), log=QUIET, stop_after_step=3)
+  logged = []
+  with pytest.raises(ConfigError, match=rf"^checkpoint step 3 in {re.escape(str(tmp_path))} is "
+                                        r"past train.train_iters=2: raise train.train_iters, or "
+                                        r"give this run a new checkpoint.dir$"):
+    train(load_config(None, base + ["train.train_iters=2"]), log=logged.append)
+  assert not any(line.startswith("compiled") for line in logged)
+
+
+@pytest.mark.slow
+def test_a_resume_that_changes_the_learning_rate_says_so(tmp_path):
+  base = [f"checkpoint.dir={tmp_path}", "optimizer.lr_warmup_iters=2"]
+  train(load_config(None, base + ["train.train_iters=4"]), log=QUIET, stop_after_step=3)
+  logged = []
+  train(load_config(None, base + ["train.train_iters=8"]), log=logged.append, stop_after_step=4)
+  setups = [resolve(load_config(None, base + [f"train.train_iters={n}"])) for n in (4, 8)]
+  saved, now = (float(s.schedule(3)) for s in setups)
+  assert saved != now
+  assert (f"note: the learning-rate schedule changed at resume (train.train_iters 4 -> 8): step "
+          f"4 runs at {now:.3g}, where the saved run's schedule gives {saved:.3g}") in logged
+  # The same keys: nothing to say.
+  logged.clear()
+  train(load_config(None, base + ["train.train_iters=8"]), log=logged.append, stop_after_step=5)
+  assert not any("schedule changed" in line for line in logged)
+
+
+@pytest.mark.slow
 def test_a_checkpoint_of_the_removed_delayed_update_resumes_only_without_held_gradients(
     tmp_path):
   # As jaxoffload wrote them with optimizer.delayed_update: the key in the saved config,

@@ -31,7 +31,7 @@ from jaxoffload.model import LlamaConfig
 from jaxoffload.train import host_checkpoint, reader, rules
 from jaxoffload.train.config import Config, ConfigError
 from jaxoffload.train.loading import config_from_dict
-from jaxoffload.train.resolve import Setup
+from jaxoffload.train.resolve import Setup, learning_rate
 from jaxoffload.train.step import STATE_ITEMS, Moments, Trainer
 
 
@@ -187,6 +187,11 @@ def restore_newest(checkpoints: ocp.CheckpointManager, setup: Setup,
     if why:
       raise ConfigError(f"checkpoint step {step} in {directory} cannot be resumed ({why}): "
                         f"take its weights alone with checkpoint.init_from={directory}")
+    iters = setup.config.train.train_iters
+    if meta["step"] > iters:
+      raise ConfigError(f"checkpoint step {meta['step']} in {directory} is past "
+                        f"train.train_iters={iters}: raise train.train_iters, or give this run "
+                        f"a new checkpoint.dir")
     try:
       trainer = Trainer(setup, *read(checkpoints, step, setup))
     except Exception as error:  # Whatever orbax or tensorstore raise for a damaged step.
@@ -194,6 +199,9 @@ def restore_newest(checkpoints: ocp.CheckpointManager, setup: Setup,
       continue
     if trainer.host is not None:
       trainer.host.last_grad_scale = meta.get("host_last_grad_scale")
+    note = schedule_change(theirs, setup, meta["step"])
+    if note:
+      log(note)
     for bad, reason in unreadable:
       aside = os.path.join(directory, f"{bad}.unreadable")
       os.rename(os.path.join(directory, str(bad)), aside)
@@ -205,6 +213,21 @@ def restore_newest(checkpoints: ocp.CheckpointManager, setup: Setup,
     raise ConfigError(f"no checkpoint in {directory} can be read; the oldest, step {step}: "
                       f"{reason}")
   return None
+
+
+def schedule_change(theirs: Config, setup: Setup, step: int) -> Optional[str]:
+  """A note where the resumed run's learning rate for the next step is not the saved run's
+  (the schedule's warm-up and decay follow train.train_iters and the optimizer's lr keys);
+  None where they agree."""
+  keys = [("train.train_iters", theirs.train.train_iters, setup.config.train.train_iters)] + [
+      (f"optimizer.{k}", getattr(theirs.optimizer, k), getattr(setup.config.optimizer, k))
+      for k in ("lr", "min_lr", "lr_warmup_iters", "lr_decay_style")]
+  changed = [f"{key} {a} -> {b}" for key, a, b in keys if a != b]
+  saved, now = float(learning_rate(theirs)(step)), float(setup.schedule(step))
+  if not changed or saved == now:
+    return None
+  return (f"note: the learning-rate schedule changed at resume ({', '.join(changed)}): step "
+          f"{step + 1} runs at {now:.3g}, where the saved run's schedule gives {saved:.3g}")
 
 
 def model_differences(theirs: Config, ours: Config) -> list[str]:
