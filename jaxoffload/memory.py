@@ -7,7 +7,7 @@ import collections
 import os
 import re
 import resource
-from typing import Any, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -115,3 +115,56 @@ def offloaded_activation_bytes(config: LlamaConfig, groups: Sequence[LayerGroup]
   per_layer = activation_bytes(config, batch, seq_len)
   return sum((g.stop - g.start) * per_layer[name] for g in groups if g.placements
              for name, placement in g.placements.items() if placement == "offload")
+
+
+def size(n: int) -> str:
+  """``n`` bytes for a person: ``"64.2 GB"``, ``"310 MB"``."""
+  return f"{n / 1e9:.1f} GB" if abs(n) >= 1e9 else f"{n / 1e6:.0f} MB"
+
+
+def available(limit: Optional[int]) -> tuple[int, str]:
+  """The host bytes this process may still allocate, and where that figure comes from:
+  ``limit`` (``train.host_memory_limit``) less what the process holds, else the machine's
+  and the cgroup's."""
+  if limit is not None:
+    held = host_rss_bytes() or 0
+    return limit - held, (f"left under train.host_memory_limit={size(limit)} with the "
+                          f"{size(held)} this process holds")
+  figures = []
+  meminfo = _read_keyed("/proc/meminfo")
+  if "MemAvailable" in meminfo:
+    figures.append((meminfo["MemAvailable"] * 1024, "available (MemAvailable in /proc/meminfo)"))
+  cgroup = _cgroup_available()
+  if cgroup is not None:
+    figures.append((cgroup, "left under the cgroup's memory limit"))
+  return min(figures) if figures else (2**63, "no limit found")
+
+
+def _read_keyed(path: str) -> dict[str, int]:
+  """``key value`` or ``key: value kB`` lines as ints; empty if the file is unreadable."""
+  try:
+    with open(path) as f:
+      lines = [line.replace(":", " ").split() for line in f]
+  except OSError:
+    return {}
+  return {words[0]: int(words[1]) for words in lines if len(words) >= 2 and words[1].isdigit()}
+
+
+def _cgroup_available() -> Optional[int]:
+  """The cgroup's limit less what it uses, counting reclaimable page cache as free."""
+  for limit_file, usage_file, stat_file in (
+      ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current", "/sys/fs/cgroup/memory.stat"),
+      ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+       "/sys/fs/cgroup/memory/memory.stat")):
+    try:
+      with open(limit_file) as f:
+        limit = f.read().strip()
+      with open(usage_file) as f:
+        usage = int(f.read())
+    except (OSError, ValueError):
+      continue
+    if not limit.isdigit() or int(limit) >= 2**60:  # "max", or v1's "no limit".
+      return None
+    stat = _read_keyed(stat_file)
+    return int(limit) - usage + stat.get("inactive_file", stat.get("total_inactive_file", 0))
+  return None

@@ -11,7 +11,8 @@ from jaxoffload.memory import host_rss_bytes, parse_bytes
 from jaxoffload.train import Trainer, load_config, resolve
 from jaxoffload.train.config import ConfigError
 from jaxoffload.train import host_checkpoint
-from jaxoffload.train.host_memory import _read_keyed, available, needed
+from jaxoffload.memory import _read_keyed
+from jaxoffload.train.host_memory import available, needed
 
 OFFLOAD = ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=1.0"]
 MESH = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxoffload.memory import host_rss_bytes, parse_bytes
+from jaxoffload.memory import available, host_rss_bytes, parse_bytes
 from jaxoffload.plan.search import PLACES, Budgets, Log, offload_overrides, plan
 from jaxoffload.train import host_memory
 from jaxoffload.train.config import Config, ConfigError
@@ -20,7 +20,7 @@ def budgets_of(config: Config, device_memory: Optional[int] = None) -> Budgets:
   None on CPUs) and the host memory left to this process (``train.host_memory_limit``, else
   what the machine and its cgroup leave), counting what it holds now."""
   limit = config.train.host_memory_limit
-  host = host_memory.available(None if limit is None else parse_bytes(limit))[0]
+  host = available(None if limit is None else parse_bytes(limit))[0]
   device = device_memory or (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
   return Budgets(device, host + (host_rss_bytes() or 0))
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jaxoffload import host_state
 from jaxoffload.model import group_name
 from jaxoffload.placement import leaf_path
-from jaxoffload.memory import host_rss_bytes, offloaded_activation_bytes, parse_bytes
+from jaxoffload.memory import available, offloaded_activation_bytes, parse_bytes, size
 from jaxoffload.train import checkpoints, host_checkpoint, rules
 from jaxoffload.train import weights as weights_
 from jaxoffload.train.config import ConfigError
@@ -104,11 +104,6 @@ def lowering_keys(setup: Setup) -> dict[str, list[str]]:
       keys["saving a checkpoint"].insert(0, "optimizer.optimizer_offload_update_on=device "
                                             "(whose saves copy less)")
   return keys
-
-
-def size(n: int) -> str:
-  """``n`` bytes for a person: ``"64.2 GB"``, ``"310 MB"``."""
-  return f"{n / 1e9:.1f} GB" if abs(n) >= 1e9 else f"{n / 1e6:.0f} MB"
 
 
 def local_elements(shape: Any, sharding: jax.sharding.Sharding) -> int:
@@ -226,24 +221,6 @@ def _state(setup: Setup, elements_of) -> tuple[dict[str, int], int, float]:
   return held, pinned, saved + host_pieces
 
 
-def available(limit: Optional[int]) -> tuple[int, str]:
-  """The host bytes this process may still allocate, and where that figure comes from:
-  ``limit`` (``train.host_memory_limit``) less what the process holds, else the machine's
-  and the cgroup's."""
-  if limit is not None:
-    held = host_rss_bytes() or 0
-    return limit - held, (f"left under train.host_memory_limit={size(limit)} with the "
-                          f"{size(held)} this process holds")
-  figures = []
-  meminfo = _read_keyed("/proc/meminfo")
-  if "MemAvailable" in meminfo:
-    figures.append((meminfo["MemAvailable"] * 1024, "available (MemAvailable in /proc/meminfo)"))
-  cgroup = _cgroup_available()
-  if cgroup is not None:
-    figures.append((cgroup, "left under the cgroup's memory limit"))
-  return min(figures) if figures else (2**63, "no limit found")
-
-
 def pinned_pool_bytes(pinned: int, limit: Optional[int], devices: int = 1) -> int:
   """The host memory XLA's pinned pools take to hold ``pinned`` bytes of arrays at once.
 
@@ -336,33 +313,3 @@ def pool_limit_advice(need: HostBytes) -> str:
     return ""
   return (f"{PINNED_POOL_VARIABLE}={gib} before starting (XLA's pinned pool then holds "
           f"{size(capped)}, not {size(pool)})")
-
-
-def _read_keyed(path: str) -> dict[str, int]:
-  """``key value`` or ``key: value kB`` lines as ints; empty if the file is unreadable."""
-  try:
-    with open(path) as f:
-      lines = [line.replace(":", " ").split() for line in f]
-  except OSError:
-    return {}
-  return {words[0]: int(words[1]) for words in lines if len(words) >= 2 and words[1].isdigit()}
-
-
-def _cgroup_available() -> Optional[int]:
-  """The cgroup's limit less what it uses, counting reclaimable page cache as free."""
-  for limit_file, usage_file, stat_file in (
-      ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current", "/sys/fs/cgroup/memory.stat"),
-      ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes",
-       "/sys/fs/cgroup/memory/memory.stat")):
-    try:
-      with open(limit_file) as f:
-        limit = f.read().strip()
-      with open(usage_file) as f:
-        usage = int(f.read())
-    except (OSError, ValueError):
-      continue
-    if not limit.isdigit() or int(limit) >= 2**60:  # "max", or v1's "no limit".
-      return None
-    stat = _read_keyed(stat_file)
-    return int(limit) - usage + stat.get("inactive_file", stat.get("total_inactive_file", 0))
-  return None
