@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxoffload import remat
-from jaxoffload.train import ConfigError, load_config, rules, train
+from jaxoffload.train import ConfigError, advice, load_config, rules, train
 from jaxoffload.train import reference
 from jaxoffload.train.loading import config_from_dict, parse_override
 
@@ -264,7 +264,7 @@ OFFLOAD = ["model.cpu_offloading=True", "model.cpu_offloading_num_layers=2"]
     ([], "cpu", []),
 ])
 def test_what_does_nothing_on_a_cpu_is_noted(overrides, backend, lines):
-  assert rules.warnings(load_config("configs/tiny.yaml", overrides), backend) == lines
+  assert advice.warnings(load_config("configs/tiny.yaml", overrides), backend) == lines
 
 
 CUDNN_ON_CPU = ("model.attention_implementation=cudnn needs a GPU; on the cpu backend it must be "
@@ -274,8 +274,8 @@ CUDNN_ON_CPU = ("model.attention_implementation=cudnn needs a GPU; on the cpu ba
 def test_cudnn_attention_is_refused_off_a_gpu():
   config = load_config("configs/tiny.yaml", ["model.attention_implementation=cudnn"])
   with pytest.raises(ConfigError, match=f"^{re.escape(CUDNN_ON_CPU)}$"):
-    rules.check_backend(config, "cpu")
-  rules.check_backend(config, "gpu")
+    advice.check_backend(config, "cpu")
+  advice.check_backend(config, "gpu")
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the run's own backend is a CPU")

@@ -14,7 +14,7 @@ import pytest
 from jaxoffload.model import Llama, LlamaConfig, next_token_loss
 from jaxoffload.params import init_params
 from jaxoffload.train import __main__ as train_main
-from jaxoffload.train import load_config, metrics, run
+from jaxoffload.train import advice, load_config, metrics, run
 
 
 @pytest.mark.parametrize("config", [
@@ -142,8 +142,7 @@ def test_out_of_pinned_host_memory_names_the_pool_limit(capsys, monkeypatch):
       "model.recompute_granularity=full"]),
 ])
 def test_out_of_memory_advice_names_only_levers_not_at_their_limit(overrides, named):
-  from jaxoffload.train import rules
-  assert rules.device_memory_levers(load_config(None, overrides)) == named
+  assert advice.device_memory_levers(load_config(None, overrides)) == named
 
 
 def test_small_memory_figures_keep_their_digits():

@@ -14,7 +14,7 @@ import pytest
 
 from jaxoffload.model import group_name
 from jaxoffload.placement import leaf_path
-from jaxoffload.train import Trainer, load_config, resolve, rules, run, train, weights
+from jaxoffload.train import Trainer, advice, load_config, resolve, run, train, weights
 from jaxoffload.train import optimizer as train_optimizer
 from jaxoffload.train.__main__ import main
 from jaxoffload.train.launch import COMMAND_BUFFER_FLAG, set_xla_flags
@@ -449,7 +449,7 @@ SHARDED = "warning: optimizer offload streamed through the device on a mesh with
 def test_combinations_that_run_slower_are_warned_about(overrides, backend, warned):
   config = load_config(None, ["optimizer.optimizer_cpu_offload=True",
                               "optimizer.optimizer_offload_fraction=0.5", *overrides])
-  warnings = rules.warnings(config, backend)
+  warnings = advice.warnings(config, backend)
   assert len(warnings) == len(warned)
   for warning, start in zip(warnings, warned):
     assert warning.startswith(start)

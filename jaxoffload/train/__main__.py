@@ -25,7 +25,7 @@ from typing import Optional
 
 import jax
 
-from jaxoffload.train import host_memory, launch, rules
+from jaxoffload.train import advice, host_memory, launch
 from jaxoffload.train.config import ConfigError
 from jaxoffload.train.loading import load_config
 from jaxoffload.train.loop import train
@@ -57,7 +57,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     if PINNED_POOL_ERROR in str(error):
       _exit(_pinned_pool_message(str(error)), 1)
     profile = _memory_profile(config)
-    levers = rules.device_memory_levers(config) if config is not None else []
+    levers = advice.device_memory_levers(config) if config is not None else []
     hint = (f"Lower it with: {'; '.join(levers)} (docs/config.md)." if levers else
             "Every setting that lowers device memory is at its limit: a smaller model or "
             "model.seq_length, or more devices (mesh.fsdp).")

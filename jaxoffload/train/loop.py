@@ -14,7 +14,7 @@ import jax
 import jaxoffload
 from jaxoffload.memory import host_rss_bytes
 from jaxoffload.train import checkpoints as ckpt
-from jaxoffload.train import host_memory, launch, metrics, rules, weights
+from jaxoffload.train import advice, host_memory, launch, metrics, weights
 from jaxoffload.train.config import Config
 from jaxoffload.train.resolve import Setup, resolve
 from jaxoffload.train.step import Trainer
@@ -75,7 +75,7 @@ def run(config: Config, *, log: Log = print, stop_after_step: Optional[int] = No
   if not reporting:
     log = lambda _: None
   # Before resolve: an auto offload fraction compiles steps to pick one.
-  rules.check_backend(config, jax.default_backend())
+  advice.check_backend(config, jax.default_backend())
   setup = resolve(config)
   config = setup.config
   need = host_memory.check(setup)  # Before anything is allocated.
@@ -84,9 +84,9 @@ def run(config: Config, *, log: Log = print, stop_after_step: Optional[int] = No
         f"GiB for the {host_memory.size(host_memory.pinned_per_device(setup))} it holds at "
         f"once ({host_memory.PINNED_POOL_VARIABLE})")
   else:
-    advice = host_memory.pool_limit_advice(need)
-    if advice:
-      log(f"note: host memory: {advice}")
+    pool_note = host_memory.pool_limit_advice(need)
+    if pool_note:
+      log(f"note: host memory: {pool_note}")
   # Made first: a missing writer is found before anything compiles.
   tensorboard = (metrics.TensorBoard(config.logging.tensorboard_dir)
                  if config.logging.tensorboard_dir and reporting else None)
@@ -196,8 +196,8 @@ def _announce(setup: Setup, trainer: Trainer, log: Log) -> None:
   elif setup.offload is not None:
     log(str(setup.offload))
   backend = jax.default_backend()
-  warnings = rules.warnings(config, backend)
-  # Elsewhere the flag changes nothing: rules.warnings says so.
+  warnings = advice.warnings(config, backend)
+  # Elsewhere the flag changes nothing: advice.warnings says so.
   if backend == "gpu" and m.cuda_graph_impl != "none" and (
       launch.COMMAND_BUFFER_FLAG not in os.environ.get("XLA_FLAGS", "")):
     warnings.append(f"warning: model.cuda_graph_impl={m.cuda_graph_impl!r} needs XLA_FLAGS="

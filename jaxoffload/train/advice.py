@@ -1,0 +1,68 @@
+"""What a checked config costs or cannot do where it runs: refusals for the backend, warnings
+and notes to print at start, and the settings an out-of-memory error names.
+
+Pure functions of a ``Config`` and the backend's name (``jax.default_backend()``).
+"""
+
+from __future__ import annotations
+
+from jaxoffload.train.config import Config, ConfigError
+from jaxoffload.train.rules import ATTENTION_IMPLEMENTATIONS, micro_batches
+
+
+def check_backend(config: Config, backend: str) -> None:
+  """Raises ``ConfigError`` for a setting ``backend`` cannot run, before anything compiles."""
+  m = config.model
+  if m.attention_implementation == "cudnn" and backend != "gpu":
+    allowed = [a for a in ATTENTION_IMPLEMENTATIONS if a != "cudnn"]
+    raise ConfigError(f"model.attention_implementation=cudnn needs a GPU; on the {backend} "
+                      f"backend it must be one of {allowed}")
+
+
+def warnings(config: Config, backend: str) -> list[str]:
+  """Lines for the settings that run slowly on ``backend``, or do nothing there."""
+  m, o, mesh = config.model, config.optimizer, config.mesh
+  lines = []
+  if (backend == "gpu" and o.optimizer_cpu_offload and o.optimizer_offload_update_on == "device"
+      and max(mesh.fsdp, mesh.tensor) > 1):
+    lines.append(
+        f"warning: optimizer offload streamed through the device on a mesh with fsdp="
+        f"{mesh.fsdp}, tensor={mesh.tensor} ran slowly on GPUs "
+        f"(docs/performance.md#several-gpus); mesh.data avoids it.")
+  if backend == "cpu":
+    # XLA's CPU client puts pinned_host arrays in the one memory it has.
+    if m.cpu_offloading and m.cpu_offloading_activations:
+      lines.append("note: model.cpu_offloading=True frees no memory on the cpu backend: its "
+                   "offloaded activations stay in the same memory")
+    if m.cpu_offloading and m.cpu_offloading_weights:
+      lines.append("note: model.cpu_offloading_weights=True frees no memory on the cpu backend: "
+                   "its offloaded weights stay in the same memory")
+    if m.cuda_graph_impl != "none":
+      lines.append(f"note: model.cuda_graph_impl={m.cuda_graph_impl} does nothing on the cpu "
+                   f"backend: it has no CUDA graphs")
+  return lines
+
+
+def device_memory_levers(config: Config) -> list[str]:
+  """The settings that would lower ``config``'s device memory from where it stands, none
+  already at its limit: what an out-of-memory error names."""
+  m, o, t = config.model, config.optimizer, config.train
+  levers = []
+  if not o.optimizer_cpu_offload:
+    levers.append("optimizer.optimizer_cpu_offload=True with optimizer.optimizer_offload_fraction")
+  elif o.optimizer_offload_fraction != "auto" and o.optimizer_offload_fraction < 1.0:
+    levers.append(f"a larger optimizer.optimizer_offload_fraction (now "
+                  f"{o.optimizer_offload_fraction})")
+  if o.optimizer_cpu_offload and o.optimizer_offload_update_on in ("device", "host"):
+    levers.append("optimizer.optimizer_offload_update_on=host_kernel (the device then holds "
+                  "no float32 weights or gradients of the offloaded leaves)")
+  if t.micro_batch_size > 1:
+    levers.append(f"a smaller train.micro_batch_size (now {t.micro_batch_size})")
+  if micro_batches(config) > 1 and o.grad_accum_dtype != "bfloat16":
+    levers.append("optimizer.grad_accum_dtype=bfloat16")
+  if m.recompute_granularity != "full" and not m.cpu_offloading:
+    levers.append("model.recompute_granularity=full" if m.recompute_granularity
+                  else "model.recompute_granularity=selective or full")
+  if m.cpu_offloading and m.cpu_offloading_num_layers < m.num_layers - 1:
+    levers.append(f"more model.cpu_offloading_num_layers (now {m.cpu_offloading_num_layers})")
+  return levers
