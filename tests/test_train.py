@@ -195,6 +195,7 @@ def test_updates_started_before_their_clipping_equal_those_started_after_it(
     assert all(np.array_equal(a, b) for a, b in zip(started_early, plain))
 
 
+@SLOW
 def test_clip_grad_zero_turns_clipping_off():
   def first_moments(clip_grad):
     setup = resolve(load_config(None, [f"optimizer.clip_grad={clip_grad}"]))
@@ -506,6 +507,7 @@ def test_bfloat16_parameters_take_updates_below_half_their_step():
   assert (after[far] != before[far]).sum() > 1e-3 * far.sum()
 
 
+@SLOW
 def test_bfloat16_parameters_train_close_to_float32(baseline_losses):
   overrides = [f"train.train_iters={STEPS}", "model.params_dtype=bfloat16",
                "optimizer.main_params_dtype=bfloat16"]
