@@ -100,7 +100,9 @@ def lowering_keys(setup: Setup) -> dict[str, list[str]]:
         if o.offload_transfer_dtype == "float32" and m.dtype == "bfloat16" else [])
     keys["host kernel moments and sums"] = fraction + smaller("int8") + (
         ["optimizer.accumulate_offloaded_grads_on=device"] if setup.sums_on_host else [])
-    if "int8" not in moments:  # The device's streamed update cannot keep 8-bit moments.
+    # Several processes' saves gather the host kernel's state (one process writes it a piece
+    # at a time); the device's streamed update cannot keep 8-bit moments.
+    if c.distributed.initialize and "int8" not in moments:
       keys["saving a checkpoint"].insert(0, "optimizer.optimizer_offload_update_on=device "
                                             "(whose saves copy less)")
   return keys
