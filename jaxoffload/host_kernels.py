@@ -290,8 +290,9 @@ def encode_kernel(signed: bool):
       for i in range(start, stop):
         scale = max(scale, abs(values[i]))
       scales[block] = scale
+      inverse = _inverse(scale)
       for i in range(start, stop):
-        codes[i] = _encode(values[i], _inverse(scale), signed)
+        codes[i] = _encode(values[i], inverse, signed)
 
   return encode
 

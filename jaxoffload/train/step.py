@@ -208,9 +208,10 @@ class Trainer:
   def checkpoint_items(self) -> dict:
     """What a save writes: ``checkpoint``'s trees, but the host kernel's leaves (None there)
     in a ``host_checkpoint.ITEM`` of their own, which writes them a few rows at a time from
-    the live state instead of copying them whole. With several processes, ``checkpoint``:
-    orbax gathers each leaf's shards."""
-    if self.host is None or jax.process_count() > 1:
+    the live state instead of copying them whole. Joined to other processes
+    (``distributed.initialize``), ``checkpoint``: orbax gathers each leaf's shards, as the
+    host-memory guard counts."""
+    if self.host is None or self.setup.config.distributed.initialize:
       return self.checkpoint()
     self.host.apply_held()
     paths = [leaf_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(
