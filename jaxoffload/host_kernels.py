@@ -33,6 +33,7 @@ MOMENTS = ("float32", "bfloat16", "int8")
 _HASH_1, _HASH_2 = rounding.HASH_MULTIPLIERS
 _SIGNED_STEP, _UNSIGNED_STEP = blockwise.SIGNED_STEP, blockwise.UNSIGNED_STEP
 _BLOCK = blockwise.BLOCK
+_GROUP = 64  # blocks per parallel iteration of the 8-bit step
 _TINY = np.float32(np.finfo(np.float32).tiny)
 
 
@@ -156,19 +157,11 @@ def step_kernel(grad_is_bf16: bool, weights: str, mu: str, nu: str):
   coded = mu_codes or nu_codes
 
   @_jit_inline
-  def gradient(grad, i, grad_scale):
-    return (_widen(grad[i]) if grad_is_bf16 else grad[i]) * grad_scale
-
-  @_jit_inline
-  def update(i, param, remainder, grad, mu, mu_scale, mu_inverse, nu, nu_scale, nu_inverse,
-             hyper):
-    # Element i, as optax.adamw: moments, bias correction, decoupled weight decay, learning
-    # rate, in float32. The update reads the new moments before they are stored rounded, as
-    # jaxoffload.adam does. 8-bit moments decode with their block's old scale and encode
-    # with its new one.
-    (grad_scale, lr, b1, b2, one_minus_b1, one_minus_b2, eps, weight_decay, bias1, bias2,
-     mu_salt, nu_salt, param_salt) = hyper
-    g = gradient(grad, i, grad_scale)
+  def moments(i, grad, mu, mu_scale, nu, nu_scale, hyper):
+    # Element i's new moments, as optax.adamw, in float32. 8-bit moments decode with their
+    # block's old scale.
+    grad_scale, _, b1, b2, one_minus_b1, one_minus_b2, _, _, _, _, _, _, _ = hyper
+    g = (_widen(grad[i]) if grad_is_bf16 else grad[i]) * grad_scale
     if mu_codes:
       old_m = _decode(mu[i], mu_scale, True)
     else:
@@ -177,8 +170,14 @@ def step_kernel(grad_is_bf16: bool, weights: str, mu: str, nu: str):
       old_v = _decode(nu[i], nu_scale, False)
     else:
       old_v = _widen(nu[i]) if nu_bf16 else nu[i]
-    m = b1 * old_m + one_minus_b1 * g
-    v = b2 * old_v + one_minus_b2 * (g * g)
+    return b1 * old_m + one_minus_b1 * g, b2 * old_v + one_minus_b2 * (g * g)
+
+  @_jit_inline
+  def store(i, param, remainder, mu, m, mu_inverse, nu, v, nu_inverse, hyper):
+    # Element i's moments stored (8-bit ones encoded with their block's new scale) and its
+    # weight updated: bias correction, decoupled weight decay, learning rate. The update
+    # reads the new moments before they are stored rounded, as jaxoffload.adam does.
+    (_, lr, _, _, _, _, eps, weight_decay, bias1, bias2, mu_salt, nu_salt, param_salt) = hyper
     if mu_codes:
       mu[i] = _encode(m, mu_inverse, True)
     elif mu_bf16:
@@ -216,33 +215,37 @@ def step_kernel(grad_is_bf16: bool, weights: str, mu: str, nu: str):
              bias2, mu_salt, nu_salt, param_salt)
     if not coded:
       for i in numba.prange(param.size):
-        update(i, param, remainder, grad, mu, zero, zero, nu, zero, zero, hyper)
+        m, v = moments(i, grad, mu, zero, nu, zero, hyper)
+        store(i, param, remainder, mu, m, zero, nu, v, zero, hyper)
       return
-    # A block of a row at a time: its new scales, the largest new magnitudes, first. By
-    # their bits, an order non-negative floats share: an integer maximum vectorises.
-    for block in numba.prange(_blocks(param.size, row_length)):
-      start, stop = _block_bounds(block, row_length)
-      old_mu_scale = mu_scales[block] if mu_codes else zero
-      old_nu_scale = nu_scales[block] if nu_codes else zero
-      mu_bits, nu_bits = np.uint32(0), np.uint32(0)
-      for i in range(start, stop):
-        g = gradient(grad, i, grad_scale)
-        if mu_codes:
-          m = b1 * _decode(mu[i], old_mu_scale, True) + one_minus_b1 * g
+    # A block of a row at a time: its new moments into scratch, with their largest
+    # magnitudes (the new scales), then stored. The maximum is taken over the floats' bits,
+    # an order non-negative floats share: an integer maximum vectorises. A group of blocks
+    # per parallel iteration shares one scratch allocation.
+    blocks = _blocks(param.size, row_length)
+    for group in numba.prange((blocks + _GROUP - 1) // _GROUP):
+      new_mu = np.empty(_BLOCK, np.float32)
+      new_nu = np.empty(_BLOCK, np.float32)
+      for block in range(group * _GROUP, min(blocks, (group + 1) * _GROUP)):
+        start, stop = _block_bounds(block, row_length)
+        old_mu_scale = mu_scales[block] if mu_codes else zero
+        old_nu_scale = nu_scales[block] if nu_codes else zero
+        mu_bits, nu_bits = np.uint32(0), np.uint32(0)
+        for i in range(start, stop):
+          m, v = moments(i, grad, mu, old_mu_scale, nu, old_nu_scale, hyper)
+          new_mu[i - start], new_nu[i - start] = m, v
           mu_bits = max(mu_bits, np.uint32(np.float32(m).view(np.uint32) & 0x7FFFFFFF))
-        if nu_codes:
-          v = b2 * _decode(nu[i], old_nu_scale, False) + one_minus_b2 * (g * g)
           nu_bits = max(nu_bits, np.uint32(np.float32(v).view(np.uint32) & 0x7FFFFFFF))
-      mu_scale = np.uint32(mu_bits).view(np.float32)
-      nu_scale = np.uint32(nu_bits).view(np.float32)
-      mu_inverse, nu_inverse = _inverse(mu_scale), _inverse(nu_scale)
-      for i in range(start, stop):
-        update(i, param, remainder, grad, mu, old_mu_scale, mu_inverse, nu, old_nu_scale,
-               nu_inverse, hyper)
-      if mu_codes:
-        mu_scales[block] = mu_scale
-      if nu_codes:
-        nu_scales[block] = nu_scale
+        mu_scale = np.uint32(mu_bits).view(np.float32)
+        nu_scale = np.uint32(nu_bits).view(np.float32)
+        mu_inverse, nu_inverse = _inverse(mu_scale), _inverse(nu_scale)
+        for i in range(start, stop):
+          store(i, param, remainder, mu, new_mu[i - start], mu_inverse, nu, new_nu[i - start],
+                nu_inverse, hyper)
+        if mu_codes:
+          mu_scales[block] = mu_scale
+        if nu_codes:
+          nu_scales[block] = nu_scale
 
   return step
 
