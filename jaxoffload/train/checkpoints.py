@@ -61,7 +61,7 @@ def bytes_per_element(setup: Setup) -> list[int]:
   """Per parameter leaf, the bytes a checkpoint holds of each element: the parameter and
   both moments, float32 for the host kernel's leaves and for 8-bit moments."""
   moment_bytes = sum(4 if d == "int8" else jnp.dtype(d).itemsize
-                     for d in rules.moment_dtypes(setup.config))
+                     for d in setup.moment_dtypes)
   shapes = jax.tree.leaves(setup.param_shapes)
   host = setup.offload.offloaded if setup.host_kernel else (False,) * len(shapes)
   return [12 if on_host else p.dtype.itemsize + moment_bytes for p, on_host in zip(shapes, host)]

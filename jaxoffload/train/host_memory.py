@@ -21,7 +21,7 @@ from jaxoffload import host_state
 from jaxoffload.model import group_name
 from jaxoffload.placement import leaf_path
 from jaxoffload.memory import available, offloaded_activation_bytes, parse_bytes, size
-from jaxoffload.train import checkpoints, host_checkpoint, rules
+from jaxoffload.train import checkpoints, host_checkpoint
 from jaxoffload.train import weights as weights_
 from jaxoffload.train.config import ConfigError
 from jaxoffload.train.overlap import GRADIENT_BYTES_AHEAD
@@ -83,7 +83,7 @@ def lowering_keys(setup: Setup) -> dict[str, list[str]]:
   c = setup.config
   o, m = c.optimizer, c.model
   fraction = [] if setup.offload is None else ["optimizer.optimizer_offload_fraction"]
-  moments = rules.moment_dtypes(c)
+  moments = setup.moment_dtypes
   smaller = lambda compact: [f"optimizer.{key}={compact}" for key, dtype in
                              zip(("exp_avg_dtype", "exp_avg_sq_dtype"), moments)
                              if jnp.dtype(dtype).itemsize > jnp.dtype(compact).itemsize]
@@ -140,9 +140,8 @@ def largest_pinned_array(setup: Setup) -> int:
   weights or gradients, an offloaded moment, an offloaded weight. Needs no backend."""
   shapes, shardings = jax.tree.leaves(setup.param_shapes), jax.tree.leaves(setup.param_shardings)
   offloaded = setup.offload.offloaded if setup.offload else (False,) * len(shapes)
-  transfer = iter(zip(setup.transfer_dtypes, setup.weight_transfer_dtypes)
-                  if setup.host_kernel else ())
-  moments = rules.moment_dtypes(setup.config)
+  transfer = iter(zip(setup.transfer_dtypes, setup.weight_transfer_dtypes))
+  moments = setup.moment_dtypes
   largest = 0
   for shape, sharding, off, fetch in zip(shapes, shardings, offloaded,
                                          jax.tree.leaves(setup.fetched_by_model)):
@@ -174,9 +173,8 @@ def _state(setup: Setup, elements_of) -> tuple[dict[str, int], int, float]:
   grads_by_piece: dict[str, float] = {}  # Per program's pieces: one layer's, or the rest's.
   fetched = jax.tree.leaves(setup.fetched_by_model)
   held = dict.fromkeys(PARTS[:-2], 0)
-  transfer = iter(zip(setup.transfer_dtypes, setup.weight_transfer_dtypes)
-                  if setup.host_kernel else ())
-  moments = rules.moment_dtypes(setup.config)
+  transfer = iter(zip(setup.transfer_dtypes, setup.weight_transfer_dtypes))
+  moments = setup.moment_dtypes
   pinned = saved = 0  # What a save adds: copies of the state a checkpoint holds.
   host_pieces = 0  # And the host kernel's pieces, written one at a time.
   for (path, _), shape, sharding, off, fetch, checkpointed in zip(

@@ -20,7 +20,6 @@ from jaxoffload import blockwise
 from jaxoffload._compat import DEVICE_KIND, PINNED_HOST
 from jaxoffload.host_offload import HostAdamW
 from jaxoffload.placement import leaf_path
-from jaxoffload.train import rules
 from jaxoffload.train.resolve import Setup
 
 
@@ -28,8 +27,8 @@ def optimizer(setup: Setup) -> optax.GradientTransformation:
   """Clipped AdamW on the schedule; its state partly in host memory with optimizer offload."""
   o = setup.config.optimizer
   hyper = dict(b1=o.adam_beta1, b2=o.adam_beta2, eps=o.adam_eps, weight_decay=o.weight_decay)
-  compact = rules.compact_moments(setup.config)
-  mu_dtype, nu_dtype = rules.moment_dtypes(setup.config)
+  compact = setup.compact_moments
+  mu_dtype, nu_dtype = setup.moment_dtypes
   if setup.host_kernel:
     on_device = jax.tree.map(lambda offloaded: not offloaded, setup.offload.mask)
     # The leaves the host kernel leaves on the device, with moments of the same dtypes.
@@ -57,7 +56,7 @@ def optimizer(setup: Setup) -> optax.GradientTransformation:
 def host_adamw(setup: Setup, weights: list[jax.Array]) -> HostAdamW:
   """The host kernel's optimizer for the offloaded leaves' float32 ``weights``."""
   o = setup.config.optimizer
-  mu_dtype, nu_dtype = rules.moment_dtypes(setup.config)
+  mu_dtype, nu_dtype = setup.moment_dtypes
   return HostAdamW(weights, learning_rate=setup.schedule, b1=o.adam_beta1, b2=o.adam_beta2,
                    eps=o.adam_eps, weight_decay=o.weight_decay,
                    device_dtypes=setup.weight_transfer_dtypes, mu_dtype=mu_dtype,

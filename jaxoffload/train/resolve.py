@@ -48,6 +48,23 @@ class Setup:
     choices: what each ``auto`` chose and why, a line each.
     data: the training and held-out batches (numpy), and the tokenizer; None in an
       ``abstract_setup``.
+    micro_batches: how many micro-batches make a step (``rules.micro_batches``).
+    clips_gradients: whether the update clips the gradients by their global norm
+      (``optimizer.clip_grad`` > 0): the host kernel's overlapped update then needs the
+      whole backward pass's norm, or speculates (``speculates``).
+    moment_dtypes: the dtypes of Adam's two moments (``rules.moment_dtypes``).
+    host_kernel: whether the offloaded leaves update with the host kernel (``HostAdamW``).
+    overlaps_host_update: whether the host kernel's update overlaps the next step's forward
+      pass, a program per layer (``train.overlap``): unless
+      ``optimizer.overlap_cpu_optimizer_d2h_h2d=False``, wherever it can
+      (``rules.host_update_overlap_blocker``).
+    transfer_dtypes: per host kernel leaf, the dtype its gradients travel in and its weights
+      reach the model in: bfloat16 for bfloat16 parameters, and for those the model
+      multiplies in bfloat16 with ``offload_transfer_dtype=bfloat16``; float32 otherwise.
+    weight_transfer_dtypes: per host kernel leaf, the dtype the device reads its weights in
+      from host memory: ``transfer_dtypes`` where the host keeps float32 masters split
+      (``optimizer.store_param_remainders``) and bfloat16 parameters as they are, float32
+      otherwise (the device rounds them itself).
   """
 
   config: Config
@@ -61,34 +78,13 @@ class Setup:
   schedule: optax.Schedule
   choices: tuple[str, ...]
   data: Optional[data.Data]
-
-  @property
-  def host_kernel(self) -> bool:
-    """Whether the offloaded leaves update with the host kernel (``HostAdamW``)."""
-    return (self.offload is not None
-            and self.config.optimizer.optimizer_offload_update_on == "host_kernel")
-
-  @property
-  def transfer_dtypes(self) -> list[jnp.dtype]:
-    """Per host kernel leaf, the dtype its gradients travel in and its weights reach the
-    model in (``weight_transfer_dtypes``: the dtype they cross in): bfloat16 for bfloat16
-    parameters, and for those the model multiplies in bfloat16 with
-    ``offload_transfer_dtype=bfloat16``."""
-    wire = jnp.dtype(self.config.optimizer.offload_transfer_dtype)
-    multiplied_in = jax.tree.leaves(compute_dtypes(self.param_shapes, self.model))
-    return [p.dtype if p.dtype == jnp.bfloat16 else wire if d == jnp.bfloat16
-            else jnp.dtype(jnp.float32) for p, d in zip(self._host_leaves(self.param_shapes),
-                                                        self._host_leaves(multiplied_in))]
-
-  @property
-  def weight_transfer_dtypes(self) -> list[jnp.dtype]:
-    """Per host kernel leaf, the dtype the device reads its weights in from host memory:
-    ``transfer_dtypes`` where the host keeps float32 masters split
-    (``optimizer.store_param_remainders``) and bfloat16 parameters as they are, float32
-    otherwise (the device rounds them itself)."""
-    if self.config.optimizer.store_param_remainders:
-      return self.transfer_dtypes
-    return [p.dtype for p in self._host_leaves(self.param_shapes)]
+  micro_batches: int
+  clips_gradients: bool
+  moment_dtypes: tuple[str, str]
+  host_kernel: bool
+  overlaps_host_update: bool
+  transfer_dtypes: tuple[jnp.dtype, ...]
+  weight_transfer_dtypes: tuple[jnp.dtype, ...]
 
   @property
   def initial_param_shardings(self) -> Any:
@@ -98,36 +94,23 @@ class Setup:
     if not self.host_kernel:
       return self.param_shardings
     split = iter([p.dtype == jnp.float32 and d == jnp.bfloat16 for p, d in zip(
-        self._host_leaves(self.param_shapes), self.weight_transfer_dtypes)])
+        _host_leaves(self.param_shapes, self.offload), self.weight_transfer_dtypes)])
     return jax.tree.map(lambda s, host: s.with_memory_kind("device") if host and next(split)
                         else s, self.param_shardings, self.offload.mask)
 
-  def _host_leaves(self, tree: Any) -> list:
-    """Of a tree like the parameters, the host kernel's leaves."""
-    return [x for x, host in zip(jax.tree.leaves(tree), self.offload.offloaded) if host]
-
   @property
-  def overlaps_host_update(self) -> bool:
-    """Whether the host kernel's update overlaps the next step's forward pass, a program per
-    layer (``train.overlap``): unless ``optimizer.overlap_cpu_optimizer_d2h_h2d=False``,
-    wherever it can (``rules.host_update_overlap_blocker``)."""
-    return self.host_kernel and rules.host_update_overlaps(self.config)
-
-  @property
-  def clips_gradients(self) -> bool:
-    """Whether the update clips the gradients by their global norm (``optimizer.clip_grad``
-    > 0): the host kernel's overlapped update then needs the whole backward pass's norm,
-    or speculates (``speculates``)."""
-    return rules.clips_gradients(self.config)
+  def compact_moments(self) -> bool:
+    """Whether a moment is stored in bfloat16 or 8 bits (rounded stochastically)."""
+    return any(d != "float32" for d in self.moment_dtypes)
 
   @property
   def speculates(self) -> bool:
     """Whether the overlapped host update, clipped, may start during the backward pass as
-    if unclipped (``optimizer.speculate_cpu_optimizer_step``): not with bfloat16 moments,
+    if unclipped (``optimizer.speculate_cpu_optimizer_step``): not with compact moments,
     which cannot be taken back exactly."""
     return (self.overlaps_host_update and self.clips_gradients
             and self.config.optimizer.speculate_cpu_optimizer_step
-            and not rules.compact_moments(self.config))
+            and not self.compact_moments)
 
   @property
   def sums_on_host(self) -> bool:
@@ -149,10 +132,6 @@ class Setup:
     donates them in place: a checkpoint reads them there, and must finish first."""
     return (self.host_kernel or any(jax.tree.leaves(self.fetched_by_model))
             or (self.offload is not None and any(self.offload.offloaded)))
-
-  @property
-  def micro_batches(self) -> int:
-    return rules.micro_batches(self.config)
 
   @property
   def llama(self) -> Llama:
@@ -242,15 +221,40 @@ def _placed(config: Config, offload: Optional[OffloadPlan], mesh: Any,
                                                           offload.mask)
   shardings = jax.tree.map(lambda s, host: s.with_memory_kind("pinned_host") if host else s,
                            shardings, in_host)
+  transfer, weight_transfer = (_transfer_dtypes(config, model, shapes, offload) if host_kernel
+                                else ((), ()))
   setup = Setup(config=config, model=model, groups=groups, mesh=mesh, param_shapes=shapes,
                 param_shardings=shardings, offload=offload, fetched_by_model=fetched,
-                schedule=learning_rate(config), choices=choices, data=run_data)
+                schedule=learning_rate(config), choices=choices, data=run_data,
+                micro_batches=rules.micro_batches(config),
+                clips_gradients=rules.clips_gradients(config),
+                moment_dtypes=rules.moment_dtypes(config), host_kernel=host_kernel,
+                overlaps_host_update=host_kernel and rules.host_update_overlaps(config),
+                transfer_dtypes=transfer, weight_transfer_dtypes=weight_transfer)
   if setup.sums_on_host:
     # The model fetches the host kernel's stacked leaves a layer at a time, and their
     # gradients leave the device as they are made.
     groups, fetched = _fetching_host_leaves(groups, in_host)
     setup = dataclasses.replace(setup, groups=groups, fetched_by_model=fetched)
   return setup
+
+
+def _host_leaves(tree: Any, offload: OffloadPlan) -> list:
+  """Of a tree like the parameters, the leaves ``offload`` offloads."""
+  return [x for x, host in zip(jax.tree.leaves(tree), offload.offloaded) if host]
+
+
+def _transfer_dtypes(config: Config, model: LlamaConfig, shapes: Any, offload: OffloadPlan
+                     ) -> tuple[tuple[jnp.dtype, ...], tuple[jnp.dtype, ...]]:
+  """The host kernel's leaves' ``Setup.transfer_dtypes`` and ``weight_transfer_dtypes``."""
+  wire = jnp.dtype(config.optimizer.offload_transfer_dtype)
+  multiplied_in = _host_leaves(compute_dtypes(shapes, model), offload)
+  params = _host_leaves(shapes, offload)
+  transfer = tuple(p.dtype if p.dtype == jnp.bfloat16 else wire if d == jnp.bfloat16
+                   else jnp.dtype(jnp.float32) for p, d in zip(params, multiplied_in))
+  if config.optimizer.store_param_remainders:
+    return transfer, transfer
+  return transfer, tuple(p.dtype for p in params)
 
 
 def _layer_ranges(config: Config) -> tuple[tuple[int, int], ...]:

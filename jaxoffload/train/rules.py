@@ -61,11 +61,6 @@ def moment_dtypes(config: Config) -> tuple[str, str]:
   return o.exp_avg_dtype or params, o.exp_avg_sq_dtype or params
 
 
-def compact_moments(config: Config) -> bool:
-  """Whether a moment is stored in bfloat16 or 8 bits (rounded stochastically)."""
-  return any(d != "float32" for d in moment_dtypes(config))
-
-
 def _one_of(key: str, value: Any, allowed: Sequence[Any]) -> None:
   if value not in allowed:
     raise ConfigError(f"{key} must be one of {list(allowed)}, got {value!r}")

@@ -98,7 +98,7 @@ class Trainer:
     # What HostAdamW.params would be: each leaf in the dtype the device reads it in.
     trainer._host_shapes = [jax.ShapeDtypeStruct(p.shape, d, sharding=p.sharding) for p, d in
                             zip(trainer.programs.host_leaves(leaves),
-                                setup.weight_transfer_dtypes if setup.host_kernel else [])]
+                                setup.weight_transfer_dtypes)]
     trainer.opt_state = jax.tree.map(struct, trainer.programs.abstract_state,
                                      trainer.programs.state_shardings)
     return trainer
