@@ -31,7 +31,7 @@ NeMo Megatron-Bridge where it has one. Everything is checked once, before anythi
 compiles; a problem prints one line naming the key and what is allowed, and exits with
 status 2.
 
-This page is generated from `jaxoffload/train/config.py`
+This page is generated from the docstrings of `jaxoffload/train/config.py` and `run_config.py`
 (`python -m jaxoffload.train.reference > docs/config.md`).
 """
 
