@@ -330,3 +330,26 @@ def test_a_key_without_documentation_is_refused():
 def test_sizes_and_ranges_are_checked_at_load(override, message):
   with pytest.raises(ConfigError, match=re.escape(message)):
     load_config(None, [override])
+
+
+@pytest.mark.parametrize("overrides, line", [
+    (["model.cpu_offloading_weights=True"],
+     "note: model.cpu_offloading_weights=True does nothing without model.cpu_offloading=True"),
+    (["model.cpu_offloading_activations=False"],
+     "note: model.cpu_offloading_activations=False does nothing without "
+     "model.cpu_offloading=True"),
+    (["optimizer.optimizer_offload_update_on=host_kernel"],
+     "note: optimizer.optimizer_offload_update_on=host_kernel does nothing without "
+     "optimizer.optimizer_cpu_offload=True"),
+    (["optimizer.accumulate_offloaded_grads_on=device"],
+     "note: optimizer.accumulate_offloaded_grads_on=device does nothing without "
+     "optimizer.optimizer_cpu_offload=True"),
+])
+def test_a_key_whose_switch_is_off_is_noted_on_every_backend(overrides, line):
+  config = load_config("configs/tiny.yaml", overrides)
+  assert advice.warnings(config, "gpu") == [line]
+  assert line in advice.warnings(config, "cpu")
+  switched_on = load_config("configs/tiny.yaml", overrides + [
+      "model.cpu_offloading=True", "model.cpu_offloading_num_layers=1",
+      "optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5"])
+  assert advice.warnings(switched_on, "gpu") == []

@@ -9,6 +9,17 @@ from __future__ import annotations
 from jaxoffload.train.config import Config, ConfigError
 from jaxoffload.train.rules import ATTENTION_IMPLEMENTATIONS, micro_batches
 
+# The keys that only shape an offload, by section, and the switch without which they do
+# nothing. (The fraction and the layer count are refused instead: rules.)
+SWITCHED_KEYS = {
+    ("model", "cpu_offloading"): ("cpu_offloading_activations", "cpu_offloading_weights",
+                                  "cpu_offloading_policy"),
+    ("optimizer", "optimizer_cpu_offload"): (
+        "optimizer_offload_update_on", "overlap_cpu_optimizer_d2h_h2d",
+        "speculate_cpu_optimizer_step", "offload_transfer_dtype", "store_param_remainders",
+        "accumulate_offloaded_grads_on"),
+}
+
 
 def check_backend(config: Config, backend: str) -> None:
   """Raises ``ConfigError`` for a setting ``backend`` cannot run, before anything compiles."""
@@ -20,9 +31,9 @@ def check_backend(config: Config, backend: str) -> None:
 
 
 def warnings(config: Config, backend: str) -> list[str]:
-  """Lines for the settings that run slowly on ``backend``, or do nothing there."""
+  """Lines for the settings that run slowly on ``backend``, or do nothing there or at all."""
   m, o, mesh = config.model, config.optimizer, config.mesh
-  lines = []
+  lines = switched_off(config)
   if (backend == "gpu" and o.optimizer_cpu_offload and o.optimizer_offload_update_on == "device"
       and max(mesh.fsdp, mesh.tensor) > 1):
     lines.append(
@@ -40,6 +51,21 @@ def warnings(config: Config, backend: str) -> list[str]:
     if m.cuda_graph_impl != "none":
       lines.append(f"note: model.cuda_graph_impl={m.cuda_graph_impl} does nothing on the cpu "
                    f"backend: it has no CUDA graphs")
+  return lines
+
+
+def switched_off(config: Config) -> list[str]:
+  """A note for each key given a value other than its default whose switch is off."""
+  lines = []
+  for (section, switch), keys in SWITCHED_KEYS.items():
+    values = getattr(config, section)
+    if getattr(values, switch):
+      continue
+    defaults = type(values)()
+    for key in keys:
+      if getattr(values, key) != getattr(defaults, key):
+        lines.append(f"note: {section}.{key}={getattr(values, key)} does nothing without "
+                     f"{section}.{switch}=True")
   return lines
 
 
