@@ -19,13 +19,7 @@ are their own master, each update rounded stochastically. The moments are
 float32, bfloat16 or 8-bit (``jaxoffload.blockwise``).
 
 ``hold`` and ``apply_held`` spread one exact update over the next device step,
-a piece at a time (a leaf, or one layer of a leaf stacked over layers): apply
-each piece just before dispatching the program that reads it, and the host
-updates the later layers while the device computes the first
-(``jaxoffload.train.overlap``); given the order, a thread applies them
-(``jaxoffload.held_update``), from the moment their gradients come through
-``add_held``, even before their scale (``hold(speculative=True)``: an update
-whose scale is not 1 is taken back, ``host_adam.adamw_undo``, and applied scaled).
+a piece at a time, even from before its scale is known (``jaxoffload.held_steps``).
 
 The update writes into JAX arrays behind JAX's back (``host_adam.writable_view``):
 keep to the loop below (dispatch the step, then ``update``), and never pass
@@ -43,8 +37,7 @@ Example:
 
 from __future__ import annotations
 
-import concurrent.futures
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -52,8 +45,9 @@ import numpy as np
 
 from jaxoffload import host_adam, host_arrays
 from jaxoffload._compat import DEVICE_KIND
-from jaxoffload.held_update import HeldUpdate, Piece
-from jaxoffload.host_state import MOMENT_DTYPES, HostState
+from jaxoffload.held_steps import HeldSteps
+from jaxoffload.held_update import Piece
+from jaxoffload.host_state import HostState, check_leaves
 
 Schedule = Union[float, Callable[[int], float]]
 
@@ -63,7 +57,7 @@ Schedule = Union[float, Callable[[int], float]]
 _SCHEDULE_TABLE = 1024
 
 
-class HostAdamW:
+class HostAdamW(HeldSteps):
   """AdamW for weights kept in host memory, applied by the host's cores between device steps.
 
   Args:
@@ -93,27 +87,17 @@ class HostAdamW:
                nu_dtype: Any = jnp.float32):
     device_dtypes = ([p.dtype for p in params] if device_dtypes is None
                      else [jnp.dtype(d) for d in device_dtypes])
-    if len(device_dtypes) != len(params):
-      raise ValueError(f"device_dtypes has {len(device_dtypes)} entries for {len(params)} leaves")
-    for i, (p, dtype) in enumerate(zip(params, device_dtypes)):
-      _check_leaf(i, p, dtype)
-    for name, dtype in (("mu_dtype", mu_dtype), ("nu_dtype", nu_dtype)):
-      if jnp.dtype(dtype) not in MOMENT_DTYPES:
-        raise ValueError(f"{name} must be one of {[d.name for d in MOMENT_DTYPES]}, got "
-                         f"{jnp.dtype(dtype)}")
+    check_leaves(params, device_dtypes, mu_dtype, nu_dtype)
     self._schedule = learning_rate if callable(learning_rate) else (lambda _: learning_rate)
     self._rates_start, self._rates = 0, self._schedule_table(0)
     self._hyper = dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
     self.state = HostState(params, device_dtypes, mu_dtype, nu_dtype)
-    self._held: Optional[HeldUpdate] = None  # hold()'s update, until every piece is applied.
-    self._background: Optional[concurrent.futures.ThreadPoolExecutor] = None  # hold(order=)'s.
+    super().__init__()  # No update held yet.
     # Per leaf and shard, the float32 sums of accumulate(); _summed: they hold this step's.
     self._sums: Optional[list[list[np.ndarray]]] = None
     self._summed = False
     self.count = 0  # Updates applied.
     self.last_grad_scale: Optional[float] = None  # The last update's scale, once read.
-    self.speculated = 0  # Updates applied ahead of their scale (hold(speculative=True)).
-    self.undone = 0  # Of those, the ones taken back: their scale was not 1.
 
   def __str__(self) -> str:
     elements = sum(p.size for p in self.params)
@@ -203,104 +187,6 @@ class HostAdamW:
                                         square_sum=square_sum and counted)
     self._summed = True
     return squares
-
-  def hold(self, grads: Mapping[Piece, jax.Array],
-           grad_scale: Union[None, float, jax.Array] = 1.0, *,
-           order: Optional[Sequence[Piece]] = None, speculative: bool = False) -> None:
-    """Takes one step's gradients by piece, for ``apply_held`` to apply a piece at a time.
-
-    An exact update spread over the next device step: apply each piece just
-    before the program that reads its weights is dispatched, so that the host
-    updates one while the device computes with those before it. A piece is
-    ``(leaf, layer)``: a leaf's index and, for a leaf stacked over layers
-    (axis 0), one layer's index, its gradient that layer's slice; or
-    ``(leaf, None)`` for the whole leaf. The update counts (``count``) from
-    now; ``params`` holds it once every piece is applied.
-
-    Args:
-      grads: per piece, its gradient in host memory; with those ``add_held`` gives later,
-        they cover every leaf once.
-      grad_scale: as ``update``'s; with ``order``, None: it comes through ``add_held``.
-      order: every piece, in the order the device will read them: a thread of this
-        object's then applies them from now on, each once its gradient is ready (the
-        first in this order among those ready), and ``apply_held`` waits for them. The
-        caller's thread stays free to dispatch the device's programs meanwhile. The
-        pieces not in ``grads`` come through ``add_held``, while the device still makes
-        them: the update then overlaps the backward pass too.
-      speculative: with ``order``, the thread applies pieces before the scale is known,
-        as if it were 1. If it is not, every piece is taken back
-        (``host_adam.adamw_undo``) and applied scaled, however many had started: within
-        a few float32 roundings of applying it scaled at once, and the same whatever
-        the timing. Needs float32 moments.
-
-    Raises:
-      ValueError: for a speculative update without ``order`` or that cannot be taken back.
-    """
-    if speculative and (order is None or not self.can_take_back):
-      raise ValueError("a speculative update needs an order, float32 moments and float32 "
-                       "masters (stochastic roundings cannot be taken back exactly)")
-    self.apply_held()
-    if order is not None and self._background is None:
-      self._background = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="HostAdamW")
-    count, learning_rate = self.count + 1, self._learning_rate(self.count)  # The next update's.
-    apply = lambda undo: (lambda piece, grad, scale: self._apply_piece(
-        piece, grad, scale, learning_rate, count, undo=undo))
-    self._held = HeldUpdate(grads, apply(False), grad_scale, order=order,
-                            executor=self._background,
-                            take_back=apply(True) if speculative else None)
-    self.count = count
-    self.speculated += speculative
-
-  @property
-  def pieces_applied_ahead(self) -> int:
-    """How many pieces of the held update its thread has applied before reading their
-    scale (``hold(speculative=True)``); 0 with none held."""
-    return 0 if self._held is None else self._held.applied_ahead
-
-  @property
-  def can_take_back(self) -> bool:
-    """Whether an update can be taken back (``hold(speculative=True)``): float32 moments and
-    float32 masters, whole or split."""
-    return (self.state.mu_dtype == self.state.nu_dtype == jnp.float32
-            and self.state.float32_masters)
-
-  def apply_held(self, pieces: Optional[Iterable[Piece]] = None) -> None:
-    """Applies the held gradients of ``pieces`` (None: all still held), waiting for them;
-    pieces already applied or not held are skipped. After ``hold(order=...)``, waits for
-    the thread that applies them instead, and raises what it raised.
-
-    Example:
-      >>> host.hold({(0, layer): g for layer, g in enumerate(layer_grads)}, clip_factor)
-      >>> host.apply_held([(0, 0)])  # Before dispatching the program that reads layer 0.
-    """
-    if self._held is not None and self._held.apply(pieces):
-      self.last_grad_scale = self._held.scale_read
-      self.undone += self._held.taken_back
-      self._held = None
-
-  def add_held(self, grads: Mapping[Piece, jax.Array],
-               grad_scale: Union[None, float, jax.Array] = None) -> None:
-    """Gives the held update (``hold(order=...)``) more pieces' gradients, as the device
-    makes them, and its scale where ``hold`` had none.
-
-    Raises:
-      ValueError: as ``HeldUpdate.add``; when no update is held.
-    """
-    if self._held is None:
-      raise ValueError("add_held gives pieces to a held update: hold(..., order=...) first")
-    self._held.add(grads, grad_scale)
-
-  def wait_for_room(self, limit: int) -> None:
-    """Waits until the held update's gradients given and not yet applied hold at most
-    ``limit`` bytes (``HeldUpdate.wait_for_room``); at once with none held."""
-    if self._held is not None:
-      self._held.wait_for_room(limit)
-
-  def cancel_held(self, error: BaseException) -> None:
-    """Stops the held update's thread, if any, before pieces it waits for come: they and
-    every later ``apply_held`` raise ``error``, and the state is no step's."""
-    if self._held is not None and self._held.applied_by_thread:
-      self._held.cancel(error)
 
   def finish(self) -> None:
     """Applies the held gradients, if any, so that ``params`` has every update."""
@@ -407,17 +293,3 @@ class HostAdamW:
         (host_adam.adamw_undo if undo else host_adam.adamw_update)(
             param, grad_view, mu, nu, remainder=remainder, **settings)
 
-
-def _check_leaf(index: int, param: jax.Array, device_dtype: jnp.dtype) -> None:
-  """Raises ValueError naming leaf ``index`` where ``HostAdamW`` cannot take it."""
-  if param.dtype not in (jnp.float32, jnp.bfloat16):
-    raise ValueError(f"HostAdamW keeps float32 or bfloat16 weights; leaf {index} is {param.dtype}")
-  if device_dtype not in (jnp.float32, jnp.bfloat16):
-    raise ValueError(f"leaf {index}: the device reads float32 or bfloat16, not {device_dtype}")
-  if param.dtype == jnp.bfloat16 and device_dtype != jnp.bfloat16:
-    raise ValueError(f"leaf {index}: bfloat16 weights are read in bfloat16, not {device_dtype}")
-  split = param.dtype == jnp.float32 and device_dtype == jnp.bfloat16
-  if (not split and param.sharding.memory_kind != "pinned_host"
-      and jax.default_backend() != "cpu"):
-    raise ValueError(f"leaf {index} must be in pinned_host memory, not "
-                     f"{param.sharding.memory_kind}")

@@ -9,7 +9,8 @@ master. The moments are float32, bfloat16 or 8-bit blocks
 arrays of a shard; ``masters`` and ``moments`` give float32 copies for
 checkpoints, and ``load_moments`` takes them back in any of those dtypes.
 ``host_bytes_per_element`` and ``moment_bytes`` count its bytes before it
-allocates any (the trainer's host-memory guard).
+allocates any (the trainer's host-memory guard); ``check_leaves`` says which
+weights and dtypes it cannot take.
 """
 
 from __future__ import annotations
@@ -55,6 +56,28 @@ def moment_bytes(dtype: Any, shape: tuple[int, ...] = ()) -> float:
   if blockwise.is_blockwise(dtype):
     return blockwise.bytes_per_element(shape) if shape else 1 + 4 / blockwise.BLOCK
   return jnp.dtype(dtype).itemsize
+
+
+def check_leaves(weights: Sequence[jax.Array], device_dtypes: Sequence[jnp.dtype],
+                 mu_dtype: Any, nu_dtype: Any) -> None:
+  """Raises where a ``HostState`` could not take these arguments, before it allocates any.
+
+  Args:
+    weights, device_dtypes, mu_dtype, nu_dtype: as ``HostState``'s.
+
+  Raises:
+    ValueError: naming the leaf that is neither float32 nor bfloat16, not in host memory,
+      or given a device dtype it cannot have; the moment dtype; or when ``device_dtypes``
+      has not one entry per leaf.
+  """
+  if len(device_dtypes) != len(weights):
+    raise ValueError(f"device_dtypes has {len(device_dtypes)} entries for {len(weights)} leaves")
+  for i, (w, dtype) in enumerate(zip(weights, device_dtypes)):
+    _check_leaf(i, w, dtype)
+  for name, dtype in (("mu_dtype", mu_dtype), ("nu_dtype", nu_dtype)):
+    if jnp.dtype(dtype) not in MOMENT_DTYPES:
+      raise ValueError(f"{name} must be one of {[d.name for d in MOMENT_DTYPES]}, got "
+                       f"{jnp.dtype(dtype)}")
 
 
 class HostState:
@@ -187,6 +210,21 @@ class HostState:
   def moment_bytes(self) -> int:
     """Host memory of the Adam moments, every shard's."""
     return sum(m.nbytes for moments in (self.mu, self.nu) for leaf in moments for m in leaf)
+
+
+def _check_leaf(index: int, param: jax.Array, device_dtype: jnp.dtype) -> None:
+  """Raises ValueError naming leaf ``index`` where ``HostAdamW`` cannot take it."""
+  if param.dtype not in (jnp.float32, jnp.bfloat16):
+    raise ValueError(f"HostAdamW keeps float32 or bfloat16 weights; leaf {index} is {param.dtype}")
+  if device_dtype not in (jnp.float32, jnp.bfloat16):
+    raise ValueError(f"leaf {index}: the device reads float32 or bfloat16, not {device_dtype}")
+  if param.dtype == jnp.bfloat16 and device_dtype != jnp.bfloat16:
+    raise ValueError(f"leaf {index}: bfloat16 weights are read in bfloat16, not {device_dtype}")
+  split = param.dtype == jnp.float32 and device_dtype == jnp.bfloat16
+  if (not split and param.sharding.memory_kind != "pinned_host"
+      and jax.default_backend() != "cpu"):
+    raise ValueError(f"leaf {index} must be in pinned_host memory, not "
+                     f"{param.sharding.memory_kind}")
 
 
 def _split(master: jax.Array) -> tuple[jax.Array, list[np.ndarray]]:
