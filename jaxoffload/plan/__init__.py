@@ -12,17 +12,19 @@ Each candidate is judged before anything is allocated:
   (``Trainer.from_shapes``), against the device's memory less a headroom;
 - host bytes: the host-memory guard's arithmetic (``train.host_memory``) and
   what this process holds, against what the machine gives less a headroom;
-- step time: predicted from a short calibration of this machine
-  (``jaxoffload.plan.timing`` says how).
+- step time: predicted (``jaxoffload.train.step_time``) from a short calibration
+  of this machine (``jaxoffload.plan.timing``).
 
 It prints every candidate it judged (compiled or not, and why), marks what
-fits, and picks the fastest that fits. ``optimizer.optimizer_offload_fraction=auto`` in the trainer runs the
-same search over the offload alone.
+fits, and picks the fastest that fits. ``optimizer.optimizer_offload_fraction=auto`` in
+the trainer runs the same search over the offload alone (``jaxoffload.train.fit``, whose
+ladders and search this one extends).
 """
 
-from jaxoffload.plan.auto import budgets_of, fastest_offload
-from jaxoffload.plan.search import Budgets, Candidate, activation_settings, plan, table
-from jaxoffload.plan.timing import Calibration, calibrate, predict_s
+from jaxoffload.plan.search import activation_settings, plan, table
+from jaxoffload.plan.timing import calibrate
+from jaxoffload.train.fit import Budgets, Candidate, budgets_of, fastest_offload
+from jaxoffload.train.step_time import Calibration, predict_s
 
 __all__ = ["Budgets", "Calibration", "Candidate", "activation_settings", "budgets_of",
            "calibrate", "fastest_offload", "plan", "predict_s", "table"]

@@ -1,0 +1,280 @@
+"""The least optimizer offload that fits this machine, found before anything is allocated.
+
+``optimizer.optimizer_offload_fraction=auto`` runs ``least_offload`` on the config's own
+activation setting and micro-batch size; the planner (``jaxoffload.plan``) runs the same
+``Ladder`` and ``search`` over more of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Optional
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from jaxoffload import autoplace
+from jaxoffload.memory import available, host_rss_bytes, parse_bytes
+from jaxoffload.train import host_memory
+from jaxoffload.train.config import Config, ConfigError
+from jaxoffload.train.loading import override
+from jaxoffload.train.resolve import Setup, resolve
+from jaxoffload.train.rules import moment_dtypes
+from jaxoffload.train.step import Trainer, resident_device_bytes
+from jaxoffload.train.step_time import Calibration, predict_s
+
+DEVICE_HEADROOM = 0.05  # XLA's estimate leaves out fragmentation and the runtime's own use.
+HOST_HEADROOM = 0.10  # The guard's arithmetic leaves out allocator growth it cannot see.
+PLACES = ("device", "host_kernel")
+Log = Callable[[str], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+  """One setting and what it needs.
+
+  Attributes:
+    activations: the name of its activation setting (the planner's
+      ``activation_settings``; ``as configured`` for the config's own).
+    micro_batch_size: ``train.micro_batch_size``.
+    fraction: ``optimizer.optimizer_offload_fraction`` (0: no optimizer offload).
+    update_on: ``optimizer.optimizer_offload_update_on``.
+    grad_sums: where gradients are summed over micro-batches (the host kernel's leaves'
+      with ``optimizer.accumulate_offloaded_grads_on=host``); ``-`` without accumulation.
+    moments: the dtype of Adam's moments (``int8``: 8-bit blocks), "/"-joined where the
+      two differ.
+    achieved: the share of elements the plan offloads (whole leaves).
+    device_bytes: XLA's device peak of the step; None where it was not compiled.
+    host_bytes: the host memory the process will hold.
+    step_s: the predicted seconds of a step (``step_time``); without a calibration,
+      only what offload adds to it.
+    overrides: the config overrides that make this setting.
+    verdict: what the search found: ``fits``, what it does not fit, or why it was
+      not compiled.
+  """
+
+  activations: str
+  micro_batch_size: int
+  fraction: float
+  update_on: str
+  grad_sums: str
+  moments: str
+  achieved: float
+  device_bytes: Optional[int]
+  host_bytes: int
+  step_s: float
+  overrides: tuple[str, ...]
+  verdict: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Budgets:
+  """What a setting may use: device bytes (None where unknown) and host bytes."""
+
+  device: Optional[int]
+  host: int
+
+  def fits_device(self, candidate: Candidate) -> bool:
+    return (self.device is None or candidate.device_bytes is not None
+            and candidate.device_bytes <= (1 - DEVICE_HEADROOM) * self.device)
+
+  def fits_host(self, candidate: Candidate) -> bool:
+    return candidate.host_bytes <= (1 - HOST_HEADROOM) * self.host
+
+
+def budgets_of(config: Config, device_memory: Optional[int] = None) -> Budgets:
+  """This machine's budgets: the device's memory (``device_memory``, else what JAX reports;
+  None on CPUs) and the host memory left to this process (``train.host_memory_limit``, else
+  what the machine and its cgroup leave), counting what it holds now."""
+  limit = config.train.host_memory_limit
+  host = available(None if limit is None else parse_bytes(limit))[0]
+  device = device_memory or (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+  return Budgets(device, host + (host_rss_bytes() or 0))
+
+
+def fastest_offload(config: Config, log: Log = print) -> Config:
+  """``config`` with ``optimizer.optimizer_offload_fraction=auto`` replaced by the least
+  offload that fits this machine, on the placement that adds least to a step (of the
+  config's ``optimizer_offload_update_on``, or both with auto).
+
+  Raises:
+    ConfigError: when no fraction fits, naming the keys that free more memory.
+  """
+  budgets = budgets_of(config)
+  best, _ = least_offload(config, budgets)
+  overrides = None if best is None else list(best.overrides)
+  if jax.process_count() > 1:  # Every process must build the same program: process 0's pick.
+    picked = np.array([-1.0, 0.0] if best is None else
+                      [best.fraction, float(best.update_on == "host_kernel")])
+    fraction, host_kernel = multihost_utils.broadcast_one_to_all(picked)
+    overrides = (None if fraction < 0 else
+                 offload_overrides(float(fraction), PLACES[int(host_kernel)]))
+  if overrides is None:
+    raise ConfigError("optimizer.optimizer_offload_fraction=auto: no offload fits this machine "
+                      "(python -m jaxoffload.plan --offload-only shows each); offload "
+                      "activations (model.cpu_offloading_num_layers), recompute them "
+                      "(model.recompute_granularity=full) or lower train.micro_batch_size")
+  if best is not None:
+    log(f"optimizer_offload_fraction=auto chose {best.fraction:.2f} on {best.update_on} "
+        f"(achieved {best.achieved:.2f}; device peak "
+        f"{host_memory.size(best.device_bytes or 0)}, host {host_memory.size(best.host_bytes)}; "
+        f"predicted +{best.step_s * 1e3:,.1f} ms a step)")
+  return override(config, overrides)
+
+
+def least_offload(config: Config, budgets: Budgets, machine: Optional[autoplace.Machine] = None
+                  ) -> tuple[Optional[Candidate], list[Candidate]]:
+  """The least offload that fits ``budgets`` with the config's activation setting and
+  micro-batch size, on its update placement (both where it names none) and the fastest of
+  them; and each placement's outcome, fastest first. ``machine``: this machine's link and
+  host-kernel rates; default: measured now."""
+  baseline = host_rss_bytes() or 0  # What a run holds before its state, as the guard counts.
+  machine = machine or autoplace.measure_machine()
+  size = [f"train.micro_batch_size={config.train.micro_batch_size}"]
+  return search([Ladder(config, "as configured", size, (place, None), machine, None, baseline)
+                 for place in update_places(config, machine, keep=True)], budgets)
+
+
+def update_places(config: Config, machine: autoplace.Machine, *, keep: bool) -> list[str]:
+  """The update placements to search: the device, and the host kernel where ``machine``
+  runs it; with ``keep``, the config's own where it names one."""
+  if keep and config.optimizer.optimizer_offload_update_on in PLACES:
+    return [config.optimizer.optimizer_offload_update_on]
+  return [p for p in PLACES if p == "device" or machine.kernel_rate is not None]
+
+
+def search(ladders: list[Ladder], budgets: Budgets) -> tuple[Optional[Candidate], list[Candidate]]:
+  """The fastest candidate of ``ladders`` that fits ``budgets``, and each ladder's outcome,
+  fastest first.
+
+  A ladder's least fraction whose state alone fits (found without compiling) bounds its
+  step time from below; ladders are tried fastest bound first, until the pick is faster
+  than every bound left. A ladder is compiled at its most offload (if that does not fit,
+  neither does a larger micro-batch of its activation setting), then at its least, then
+  bisected.
+  """
+  rows = {n: ladder.least(budgets) for n, ladder in enumerate(ladders)}
+  device_bytes = {}  # Per setting's overrides, its compiled step's device peak.
+  # Per activation setting and placement, the least micro-batch that cannot fit.
+  best, too_large = None, {}
+  for n in sorted((n for n, row in rows.items() if not row.verdict),
+                  key=lambda n: rows[n].step_s):
+    row = rows[n]
+    if best is not None and row.step_s >= best.step_s:
+      rows[n] = dataclasses.replace(row, verdict="not compiled: slower than the pick")
+    elif row.micro_batch_size >= too_large.get((row.activations, ladders[n].place), math.inf):
+      rows[n] = dataclasses.replace(row, verdict="not compiled: a smaller micro-batch does "
+                                                 "not fit the device")
+    else:
+      rows[n] = ladders[n].smallest_fitting(budgets, device_bytes)
+      if rows[n].verdict == "no: device":
+        setting = row.activations, ladders[n].place
+        too_large[setting] = min(row.micro_batch_size, too_large.get(setting, math.inf))
+      if rows[n].verdict == "fits" and (best is None or rows[n].step_s < best.step_s):
+        best = rows[n]
+  # Without offload, both placements are one setting: its row once.
+  unique = {}
+  for n in sorted(rows, key=lambda n: rows[n].step_s):
+    unique.setdefault(rows[n].overrides, rows[n])
+  return best, list(unique.values())
+
+
+class Ladder:
+  """One combination's candidates by offload fraction, ``k / num_layers``, resolved when
+  asked for; ``least`` and ``smallest_fitting`` bisect them (the device's bytes fall and
+  the host's rise as the fraction does). Its ``place`` is the update placement and where
+  the host kernel's leaves' gradients are summed (None: as the config says)."""
+
+  def __init__(self, config: Config, name: str, base: list[str],
+               place: tuple[str, Optional[str]],
+               machine: autoplace.Machine, calibration: Optional[Calibration], baseline: int):
+    self.config, self.name, self.base, self.place = config, name, base, place
+    self.machine, self.calibration, self.baseline = machine, calibration, baseline
+    self.steps = config.model.num_layers
+    self._setups: dict[int, Optional[tuple[Setup, Candidate]]] = {}
+    self._least: Optional[int] = None
+
+  def judge(self, step: int) -> Optional[tuple[Setup, Candidate]]:
+    """Step ``step``'s setup and candidate (not compiled); None where a rule refuses it."""
+    if step not in self._setups:
+      fraction = step / self.steps
+      overrides = self.base + offload_overrides(fraction, *self.place)
+      try:
+        setup = resolve(override(self.config, overrides))
+      except ConfigError:
+        self._setups[step] = None
+        return None
+      grad_sums = "host" if setup.sums_on_host else "device" if setup.micro_batches > 1 else "-"
+      moments = "/".join(dict.fromkeys(moment_dtypes(setup.config)))
+      self._setups[step] = setup, Candidate(
+          self.name, setup.config.train.micro_batch_size, fraction,
+          self.place[0] if fraction else "-", grad_sums, moments,
+          setup.offload.fraction if setup.offload else 0.0,
+          None, self.baseline + host_memory.needed(setup).total,
+          predict_s(setup, self.calibration, self.machine), tuple(overrides))
+    return self._setups[step]
+
+  def least(self, budgets: Budgets) -> Candidate:
+    """The least offload whose state alone fits both budgets, found without compiling (its
+    verdict empty); or, with its verdict, why none does."""
+    resident_fits = lambda step: self.judge(step) is not None and (
+        budgets.device is None or resident_device_bytes(Trainer.from_shapes(
+            self.judge(step)[0])) <= (1 - DEVICE_HEADROOM) * budgets.device)
+    self._least = _first(0, self.steps, resident_fits)
+    if self._least is None:
+      last = self.judge(self.steps) or self.judge(0)
+      return dataclasses.replace(last[1], verdict="no: device (its state alone)")
+    candidate = self.judge(self._least)[1]
+    return candidate if budgets.fits_host(candidate) else dataclasses.replace(
+        candidate, verdict="no: host")
+
+  def smallest_fitting(self, budgets: Budgets, device_bytes: dict) -> Candidate:
+    """The least offload whose compiled step fits the device, and whether it fits the host;
+    or the most offloaded one tried, which does not fit the device. ``device_bytes`` holds
+    the device peaks compiled so far, by overrides, and gets this ladder's."""
+    compiled = {}
+
+    def fits(step):
+      setup, candidate = self.judge(step)
+      if candidate.overrides not in device_bytes:
+        tokens = setup.global_batch(0)
+        device_bytes[candidate.overrides] = Trainer.from_shapes(setup).compile(
+            jax.ShapeDtypeStruct(tokens.shape, tokens.dtype, sharding=tokens.sharding)
+        ).device_bytes
+      compiled[step] = dataclasses.replace(candidate,
+                                           device_bytes=device_bytes[candidate.overrides])
+      return budgets.fits_device(compiled[step])
+
+    # The most offload first: where it does not fit, nothing does. Then the least: where it
+    # fits, no bisection is needed.
+    if not fits(self.steps):
+      return dataclasses.replace(compiled[self.steps], verdict="no: device")
+    step = self._least if fits(self._least) else _first(self._least + 1, self.steps, fits)
+    return dataclasses.replace(compiled[step], verdict="fits" if budgets.fits_host(
+        compiled[step]) else "no: host")
+
+
+def _first(low: int, high: int, holds: Callable[[int], bool]) -> Optional[int]:
+  """The least step in ``[low, high]`` where ``holds``, which holds from some step on."""
+  found = None
+  while low <= high:
+    middle = (low + high) // 2
+    if holds(middle):
+      found, high = middle, middle - 1
+    else:
+      low = middle + 1
+  return found
+
+
+def offload_overrides(fraction: float, place: str, grad_sums: Optional[str] = None) -> list[str]:
+  """The overrides of an optimizer offload of ``fraction`` updated on ``place``, its host
+  kernel's leaves' gradients summed on ``grad_sums`` (None: as the config says)."""
+  if not fraction:
+    return ["optimizer.optimizer_cpu_offload=False", "optimizer.optimizer_offload_fraction=0.0"]
+  return ["optimizer.optimizer_cpu_offload=True",
+          f"optimizer.optimizer_offload_fraction={fraction}",
+          f"optimizer.optimizer_offload_update_on={place}"] + (
+              [] if grad_sums is None else
+              [f"optimizer.accumulate_offloaded_grads_on={grad_sums}"])

@@ -1,0 +1,117 @@
+"""How long a step of a setting takes on this machine, predicted before anything is allocated.
+
+A step is predicted to take the sum of:
+
+- the device's forward and backward passes: per micro-batch, a fixed part
+  (embedding, head, loss) and each layer's time under its activation setting
+  (saved, recomputed in part or in full, offloaded, weights offloaded), as a
+  ``Calibration`` of this machine measured them (the planner's
+  ``jaxoffload.plan.timing.calibrate`` times 1- to 3-layer versions of the model
+  at the config's micro-batch size), and scaled to another micro-batch size by a
+  line through a second timing at half the size (a part of the time does not
+  shrink with it);
+- the device's AdamW on the leaves it keeps: their bytes over the device's
+  copy bandwidth, measured alongside;
+- what optimizer offload adds: ``autoplace``'s prices from this machine's
+  link and host-kernel rates (copies and host work that nothing hides);
+- with the host kernel summing micro-batches: each further micro-batch's
+  copies, and the last sum, which the update waits for.
+
+Without a calibration (the trainer's ``optimizer_offload_fraction=auto``, which keeps
+the config's compute), only what offload adds is predicted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+
+from jaxoffload import autoplace
+from jaxoffload.train.config import Config
+from jaxoffload.train.resolve import Setup
+from jaxoffload.train.update_place import price_updates
+
+# Bytes the device's AdamW reads and writes per element: the weight, the gradient
+# and both moments read, the weight and moments written (float32).
+_ADAM_BYTES_PER_ELEMENT = 28
+# The settings of the layers activation offload leaves alone, by their recompute_granularity.
+REST_MODES = {None: "save", "selective": "selective", "full": "recompute"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+  """What the device's compute costs on this machine, at one micro-batch size.
+
+  Attributes:
+    micro_batch_size: the sequences each timing ran on.
+    fixed_s: a forward and backward pass's time outside the layers.
+    layer_s: one layer's forward and backward time, by ``layer_modes``' names.
+    overhead: the share of a micro-batch's time that does not shrink with it,
+      from a second timing at half the size (0 where the size is 1).
+    device_bandwidth: bytes per second a device-to-device copy reads and writes.
+  """
+
+  micro_batch_size: int
+  fixed_s: float
+  layer_s: dict[str, float]
+  overhead: float
+  device_bandwidth: float
+
+  def scale(self, micro_batch_size: int) -> float:
+    """A micro-batch of ``micro_batch_size``'s time over the calibrated one's."""
+    return (1 - self.overhead) * micro_batch_size / self.micro_batch_size + self.overhead
+
+
+def layer_modes(config: Config) -> dict[str, int]:
+  """How many of ``config``'s layers run in each activation setting, by its name."""
+  m = config.model
+  offloaded = m.cpu_offloading_num_layers if m.cpu_offloading else 0
+  modes = {_rest_mode(config): m.num_layers - offloaded}
+  if offloaded:
+    modes[_offload_mode(config)] = offloaded
+  return modes
+
+
+def _rest_mode(config: Config) -> str:
+  """The setting of the layers activation offload leaves alone."""
+  return REST_MODES[config.model.recompute_granularity]
+
+
+def _offload_mode(config: Config) -> str:
+  """The setting of the first ``cpu_offloading_num_layers`` layers, by name."""
+  m = config.model
+  parts = [f"offload {m.cpu_offloading_policy}" if m.cpu_offloading_activations else "recompute"]
+  if m.cpu_offloading_weights:
+    parts.append("weights")
+  return " + ".join(parts)
+
+
+def predict_s(setup: Setup, calibration: Optional[Calibration], machine: autoplace.Machine
+              ) -> float:
+  """The predicted seconds of a step of ``setup`` (see the module's docstring); without a
+  calibration, only what offload adds to the device's own compute."""
+  config = setup.config
+  elements = [x.size for x in jax.tree.leaves(setup.param_shapes)]
+  offloaded = setup.offload.offloaded if setup.offload else (False,) * len(elements)
+  total = 0.0
+  if calibration is not None:
+    scale = calibration.scale(config.train.micro_batch_size)
+    compute = calibration.fixed_s + sum(n * calibration.layer_s[mode]
+                                        for mode, n in layer_modes(config).items())
+    on_device = sum(n for n, off in zip(elements, offloaded) if not (off and setup.host_kernel))
+    total = (setup.micro_batches * scale * compute
+             + on_device * _ADAM_BYTES_PER_ELEMENT / calibration.device_bandwidth)
+  if setup.offload is not None:
+    place = config.optimizer.optimizer_offload_update_on
+    total += price_updates(config, setup.offload, machine,
+                           host_kernel=place == "host_kernel").predicted_s[place]
+  if setup.sums_on_host and machine.sum_rate:
+    host = sum(n for n, off in zip(elements, offloaded) if off)
+    wire = lambda dtypes: sum(n * d.itemsize for n, d in zip(
+        [n for n, off in zip(elements, offloaded) if off], dtypes))
+    each = (wire(setup.weight_transfer_dtypes) / machine.host_to_device
+            + wire(setup.transfer_dtypes) / machine.device_to_host)
+    total += (setup.micro_batches - 1) * each + host / machine.sum_rate
+  return total
