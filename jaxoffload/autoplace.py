@@ -22,6 +22,7 @@ the predictions come to measured step times:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import time
 
@@ -85,9 +86,14 @@ def _best_seconds(fn) -> float:
 
 
 def measure_machine(device: jax.Device | None = None) -> Machine:
-  """Times a 256 MiB copy each way between ``device`` and its pinned host memory, and the
-  host kernel's update and gradient sum on 32 M elements (best of three each)."""
-  device = device or jax.local_devices()[0]
+  """Times a 256 MiB copy each way between ``device`` (default: the first local one) and its
+  pinned host memory, and the host kernel's update and gradient sum on 32 M elements (best
+  of three each); once per device in a process, whose later calls get the same figures."""
+  return _measure(device or jax.local_devices()[0])
+
+
+@functools.cache
+def _measure(device: jax.Device) -> Machine:
   on = lambda kind: jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
   host = jax.block_until_ready(
       jax.device_put(np.zeros(_PROBE_BYTES // 4, np.float32), on(PINNED_HOST)))

@@ -87,7 +87,7 @@ def test_the_trainer_prices_the_overlap_where_it_overlaps(monkeypatch):
   # The CPU given a peak, so that its forward pass has a price.
   monkeypatch.setitem(metrics.PEAK_FLOPS, jax.devices()[0].device_kind, (989e12, 494e12))
   base = ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=1.0",
-          "model.dtype=bfloat16", "train.global_batch_size=4", "train.micro_batch_size=4"]
+          "optimizer.optimizer_offload_update_on=host_kernel", "model.dtype=bfloat16", "train.global_batch_size=4", "train.micro_batch_size=4"]
   setup = resolve(load_config(None, base))
   model = setup.config.model
   # Each device's share of the step's FLOPs, a third of which the forward pass does.
@@ -146,3 +146,37 @@ def test_the_trainer_shows_the_choice_and_trains_exactly():
   assert place in ("device", "host_kernel")
   baseline = train(load_config(None, ["train.train_iters=4"]), log=lambda _: None)
   np.testing.assert_allclose(losses, baseline, rtol=1e-5)
+
+
+# The link slow and the kernel fast, or the other way round: each placement cheaper once.
+KERNEL_CHEAPER = autoplace.Machine(host_to_device=5e9, device_to_host=5e9, kernel_rate=1e12,
+                                   kernel_threads=16)
+STREAM_CHEAPER = autoplace.Machine(host_to_device=1e12, device_to_host=1e12, kernel_rate=1e6,
+                                   kernel_threads=16)
+
+
+@pytest.mark.parametrize("machine, place, wire", [
+    (KERNEL_CHEAPER, "host_kernel", "bfloat16"), (STREAM_CHEAPER, "device", "float32")])
+def test_by_default_the_placement_and_transfer_dtype_are_this_machines_fastest(
+    monkeypatch, machine, place, wire):
+  monkeypatch.setattr(autoplace, "measure_machine", lambda: machine)
+  config = load_config(None, ["optimizer.optimizer_cpu_offload=True",
+                              "optimizer.optimizer_offload_fraction=1.0", "model.dtype=bfloat16"])
+  assert (config.optimizer.optimizer_offload_update_on,
+          config.optimizer.offload_transfer_dtype) == ("auto", "auto")
+  setup = resolve(config)
+  o = setup.config.optimizer
+  assert (o.optimizer_offload_update_on, o.offload_transfer_dtype) == (place, wire)
+  assert [line.split()[2] for line in setup.choices] == [f"{place}:"]
+  # Without offload there is nothing to choose, and nothing measured.
+  monkeypatch.setattr(autoplace, "measure_machine", lambda: pytest.fail("measured"))
+  plain = resolve(load_config(None, ["model.dtype=bfloat16"]))
+  assert plain.choices == () and not plain.host_kernel
+
+
+def test_float32_compute_keeps_float32_transfers_on_the_host_kernel():
+  setup = resolve(load_config(None, ["optimizer.optimizer_cpu_offload=True",
+                                     "optimizer.optimizer_offload_fraction=0.5",
+                                     "optimizer.optimizer_offload_update_on=host_kernel"]))
+  assert setup.config.optimizer.offload_transfer_dtype == "float32"
+  assert set(setup.transfer_dtypes) == {np.dtype("float32")}

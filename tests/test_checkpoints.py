@@ -82,7 +82,8 @@ train(load_config(None, sys.argv[3:]), log=lambda _: None)
 @pytest.mark.slow
 def test_a_run_killed_during_a_save_resumes_from_the_last_complete_checkpoint(tmp_path):
   overrides = ["train.train_iters=10", f"checkpoint.dir={tmp_path}", "checkpoint.save_interval=3",
-               "optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5"]
+               "optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5",
+               "optimizer.optimizer_offload_update_on=device"]
   killed = subprocess.run([sys.executable, "-c", KILL_DURING_SAVE, "-", "6", *overrides],
                           capture_output=True, text=True, timeout=600, check=False)
   assert killed.returncode == -9, killed.stderr[-2000:]
@@ -100,6 +101,7 @@ def test_a_run_killed_during_a_save_resumes_from_the_last_complete_checkpoint(tm
 def test_offloaded_state_is_restored_into_pinned_host(tmp_path):
   config = load_config(None, ["optimizer.optimizer_cpu_offload=True",
                               "optimizer.optimizer_offload_fraction=0.5",
+                              "optimizer.optimizer_offload_update_on=device",
                               "model.cpu_offloading=True", "model.cpu_offloading_num_layers=2",
                               "model.cpu_offloading_weights=True", f"checkpoint.dir={tmp_path}"])
   setup = resolve(config)

@@ -185,8 +185,10 @@ def test_every_shipped_config_trains_at_a_tiny_width(path):
      "second copy of the parameters; set both to float32 (the model computes in model.dtype) "
      "or both to bfloat16 (updates rounded stochastically)"),
     (["optimizer.offload_transfer_dtype=float16"],
-     "optimizer.offload_transfer_dtype must be one of ['float32', 'bfloat16'], got 'float16'"),
-    (["optimizer.offload_transfer_dtype=bfloat16", "model.dtype=bfloat16"],
+     "optimizer.offload_transfer_dtype must be one of ['float32', 'bfloat16', 'auto'], got "
+     "'float16'"),
+    (["optimizer.offload_transfer_dtype=bfloat16", "model.dtype=bfloat16",
+      "optimizer.optimizer_offload_update_on=device"],
      "optimizer.offload_transfer_dtype=bfloat16 needs optimizer.optimizer_offload_update_on="
      "host_kernel (or auto), got 'device'"),
     (["optimizer.offload_weight_copies=False"],

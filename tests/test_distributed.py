@@ -14,7 +14,7 @@ from jaxoffload.train import ConfigError, load_config, train
 
 COMMON = ["train.train_iters=5", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2",
           "optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5",
-          "model.cpu_offloading=True", "model.cpu_offloading_num_layers=2"]
+          "optimizer.optimizer_offload_update_on=device", "model.cpu_offloading=True", "model.cpu_offloading_num_layers=2"]
 
 
 def free_port() -> int:

@@ -76,7 +76,8 @@ def test_another_runs_weights_start_a_run_whatever_its_grouping(tmp_path):
   second = load_config(None, FINE_TUNE[1:] + [f"checkpoint.init_from={tmp_path}/first",
                                               f"data.tokenizer={CHECKPOINT}",
                                               "optimizer.optimizer_cpu_offload=True",
-                                              "optimizer.optimizer_offload_fraction=0.5"])
+                                              "optimizer.optimizer_offload_fraction=0.5",
+                                              "optimizer.optimizer_offload_update_on=device"])
   setup = resolve(second)
   assert [g.stop - g.start for g in setup.groups] == [2]
   params = Trainer(setup, weights.initial(setup)).checkpoint()["params"]

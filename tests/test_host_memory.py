@@ -14,7 +14,8 @@ from jaxoffload.train import host_checkpoint
 from jaxoffload.memory import _read_keyed
 from jaxoffload.train.host_memory import available, needed
 
-OFFLOAD = ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=1.0"]
+OFFLOAD = ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=1.0",
+           "optimizer.optimizer_offload_update_on=device"]
 MESH = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
 
 
@@ -156,7 +157,8 @@ def test_the_budget_is_the_limit_less_what_the_process_holds_else_the_machines(t
 
 @pytest.mark.parametrize("settings, lowered_by", [
     ([], "optimizer.exp_avg_sq_dtype=bfloat16$"),
-    (["optimizer.optimizer_offload_update_on=host_kernel"],
+    (["optimizer.optimizer_offload_update_on=host_kernel",
+      "optimizer.offload_transfer_dtype=float32"],
      "optimizer.offload_transfer_dtype=bfloat16$"),
     (["optimizer.optimizer_offload_update_on=host_kernel",
       "optimizer.offload_transfer_dtype=bfloat16"],
@@ -238,7 +240,7 @@ def test_a_refusal_names_the_pool_limit_where_the_pinned_pool_is_a_large_part(mo
   setup = resolve(load_config(None, ["train.host_memory_limit=10GB"]))
   advice = host_memory.pool_limit_advice(host_memory.needed(setup))
   assert advice.startswith("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=")
-  with pytest.raises(ConfigError, match="lower it with optimizer.exp_avg_dtype=bfloat16"
+  with pytest.raises(ConfigError, match="lower it with optimizer.exp_avg_dtype=int8"
                                         ".*, XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB="):
     host_memory.check(setup)
 
@@ -262,6 +264,17 @@ assert gib == math.ceil((1.125 * pinned + 40 * 5120 * 13824 * 2) / 2**30), (gib,
 assert os.environ["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] == str(gib)
 # A limit the user set stands.
 assert launch.size_pinned_pool(config) is None
+# An auto placement: the larger pool of the two it may choose.
+del os.environ["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"]
+auto = load_config("configs/llama_8b_offload.yaml", ["optimizer.optimizer_offload_fraction=1.0"])
+pools = {}
+for place in ("device", "host_kernel"):
+  placed = abstract_setup(load_config("configs/llama_8b_offload.yaml", [
+      "optimizer.optimizer_offload_fraction=1.0", f"optimizer.optimizer_offload_update_on={place}"]))
+  pools[place] = 1.125 * pinned_per_device(placed) + largest_pinned_array(placed)
+assert pools["host_kernel"] != pools["device"]
+assert launch.size_pinned_pool(auto) == math.ceil(max(pools.values()) / 2**30)
+assert not xla_bridge._backends, "a backend started"
 print(gib, pinned)
 """
   env = {k: v for k, v in os.environ.items() if k != "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"}

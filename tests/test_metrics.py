@@ -136,13 +136,33 @@ def test_out_of_pinned_host_memory_names_the_pool_limit(capsys, monkeypatch):
       "optimizer.grad_accum_dtype=bfloat16", "model.recompute_granularity=full"], []),
     # At fraction 1.0 on the device placement: not a larger fraction, the host kernel.
     (["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=1.0",
-      "train.micro_batch_size=1", "model.recompute_granularity=selective"],
+      "optimizer.optimizer_offload_update_on=device", "train.micro_batch_size=1", "model.recompute_granularity=selective"],
      ["optimizer.optimizer_offload_update_on=host_kernel (the device then holds no float32 "
       "weights or gradients of the offloaded leaves)", "optimizer.grad_accum_dtype=bfloat16",
       "model.recompute_granularity=full"]),
 ])
 def test_out_of_memory_advice_names_only_levers_not_at_their_limit(overrides, named):
   assert advice.device_memory_levers(load_config(None, overrides)) == named
+
+
+def test_out_of_memory_advice_starts_from_what_the_auto_settings_chose(tmp_path, capsys,
+                                                                       monkeypatch):
+  offload = ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=1.0",
+             "train.micro_batch_size=1", "optimizer.grad_accum_dtype=bfloat16",
+             "model.recompute_granularity=full"]
+
+  def out_of_memory(config):  # After resolve chose the host kernel for the auto placement.
+    error = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 9 GiB")
+    error.resolved_config = load_config(None, offload + [
+        "optimizer.optimizer_offload_update_on=host_kernel"])
+    raise error
+
+  monkeypatch.setattr(train_main, "train", out_of_memory)
+  with pytest.raises(SystemExit):
+    train_main.main(offload + [f"logging.jsonl={tmp_path}/steps.jsonl"])
+  # Every lever is at its limit once the host kernel holds the state.
+  assert capsys.readouterr().err.splitlines()[1].startswith("Every setting that lowers device "
+                                                           "memory is at its limit")
 
 
 def test_small_memory_figures_keep_their_digits():
@@ -180,7 +200,8 @@ def test_progress_bar_false_logs_the_figures_without_the_bar():
 @pytest.mark.slow
 def test_a_cpu_run_reports_its_offloaded_pinned_host_bytes():
   offloaded, records = tiny_run("optimizer.optimizer_cpu_offload=True",
-                                "optimizer.optimizer_offload_fraction=1.0")
+                                "optimizer.optimizer_offload_fraction=1.0",
+                                "optimizer.optimizer_offload_update_on=device")
   # Both Adam moments of every parameter element, float32.
   moments = 2 * 4 * sum(x.size for x in jax.tree.leaves(
       init_params(Llama(LlamaConfig()), jax.random.PRNGKey(0), jnp.zeros((1, 2), jnp.int32))))

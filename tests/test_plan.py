@@ -6,14 +6,16 @@ compiler with the state's own device bytes plus a fixed temporary.
 """
 
 import dataclasses
+import subprocess
+import sys
 
 import jax
 import pytest
 
 from jaxoffload import autoplace, plan
-from jaxoffload.plan import auto, search, timing
+from jaxoffload.plan import search, timing
 from jaxoffload.plan.__main__ import main as plan_main
-from jaxoffload.train import load_config, resolve, train
+from jaxoffload.train import fit, load_config, resolve, step_time, train
 from jaxoffload.train.__main__ import main as train_main
 from jaxoffload.train.config import ConfigError
 from jaxoffload.train.step import CompiledStep, Trainer, resident_device_bytes
@@ -22,7 +24,7 @@ MACHINE = autoplace.Machine(host_to_device=50e9, device_to_host=50e9, kernel_rat
                             kernel_threads=16, sum_rate=10e9)
 # Recomputing costs more than saving, and more in full than in part; offloading q/k/v costs
 # more still.
-CALIBRATION = timing.Calibration(
+CALIBRATION = step_time.Calibration(
     micro_batch_size=8, fixed_s=0.010, overhead=0.25, device_bandwidth=1e12,
     layer_s={"save": 0.004, "selective": 0.0045, "recompute": 0.005, "offload qkv": 0.006,
              "offload qkv + weights": 0.008})
@@ -55,8 +57,8 @@ def test_a_step_is_predicted_as_the_sum_of_its_parts():
                            transfer_bytes_per_element=4).predicted_s["host_kernel"]
   # The second micro-batch's copies of the host kernel's leaves, and the last sum.
   summing = host * 4 / 50e9 * 2 + host / 10e9
-  assert timing.predict_s(setup, c, MACHINE) == pytest.approx(compute + adam + added + summing)
-  assert timing.predict_s(setup, None, MACHINE) == pytest.approx(added + summing)
+  assert step_time.predict_s(setup, c, MACHINE) == pytest.approx(compute + adam + added + summing)
+  assert step_time.predict_s(setup, None, MACHINE) == pytest.approx(added + summing)
 
 
 def test_the_search_stops_once_the_pick_beats_every_bound(compiled_as_resident):
@@ -113,7 +115,7 @@ def test_the_host_kernel_sums_on_the_host_where_the_device_cannot_hold_the_sums(
       (), resident_device_bytes(self) + TEMPORARIES + (
           0 if self.setup.sums_on_host else 4 * elements), 0))
   all_on_host = resident_device_bytes(Trainer.from_shapes(resolve(load_config(None, [
-      "train.global_batch_size=16", "train.micro_batch_size=4", *search.offload_overrides(
+      "train.global_batch_size=16", "train.micro_batch_size=4", *fit.offload_overrides(
           1.0, "host_kernel", "host")]))))
   budgets = plan.Budgets(device=int((all_on_host + TEMPORARIES + 2 * elements) / 0.95),
                          host=10**12)
@@ -159,7 +161,7 @@ def test_where_no_float32_state_fits_the_planner_proposes_compact_moments(compil
   exact, _ = search_(10**12, False)
   assert (exact.fraction, exact.moments) == (1.0, "float32")
   # A host a byte short of that: float32 moments fit nowhere; bfloat16 ones do.
-  host = int(exact.host_bytes / (1 - search.HOST_HEADROOM)) - 1
+  host = int(exact.host_bytes / (1 - fit.HOST_HEADROOM)) - 1
   assert search_(host, False)[0] is None
   pick, rows = search_(host, True)
   assert pick.moments == "bfloat16" and pick.host_bytes < exact.host_bytes
@@ -174,7 +176,7 @@ def test_auto_offload_trains_with_the_least_fraction_that_fits(compiled_as_resid
   state = resident_device_bytes(Trainer.from_shapes(resolve(load_config(None, [
       "optimizer.optimizer_cpu_offload=False"]))))
   budgets = plan.Budgets(device=int((state * 0.6 + TEMPORARIES) / 0.95), host=10**12)
-  monkeypatch.setattr(auto, "budgets_of", lambda config, device_memory=None: budgets)
+  monkeypatch.setattr(fit, "budgets_of", lambda config, device_memory=None: budgets)
   monkeypatch.setattr(autoplace, "measure_machine", lambda: MACHINE)
   logged = []
   losses = train(load_config(None, overrides), log=logged.append)
@@ -250,3 +252,17 @@ def test_when_nothing_fits_the_planner_says_so_in_one_line(monkeypatch, capsys):
   assert stop.value.code == 2
   err = capsys.readouterr().err
   assert err.startswith("error: no candidate fits this machine: ") and err.count("\n") == 1
+
+
+def test_the_trainer_imports_nothing_of_the_planner():
+  # The planner builds on the trainer; the trainer's auto fraction runs jaxoffload.train.fit.
+  code = """
+import importlib, pkgutil, sys
+import jaxoffload.train
+for module in pkgutil.walk_packages(jaxoffload.train.__path__, "jaxoffload.train."):
+  importlib.import_module(module.name)
+print(sorted(name for name in sys.modules if name.startswith("jaxoffload.plan")))
+"""
+  done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                        timeout=120, check=True)
+  assert done.stdout.split("\n")[-2] == "[]"

@@ -96,7 +96,8 @@ SLOW = pytest.mark.slow
                  id="activations"),
     pytest.param(["model.cpu_offloading=True", "model.cpu_offloading_num_layers=3",
                   "model.cpu_offloading_weights=True", "optimizer.optimizer_cpu_offload=True",
-                  "optimizer.optimizer_offload_fraction=1.0"], marks=SLOW,
+                  "optimizer.optimizer_offload_fraction=1.0",
+                  "optimizer.optimizer_offload_update_on=device"], marks=SLOW,
                  id="weights-and-optimizer"),
     pytest.param(["train.micro_batch_size=4"], marks=SLOW, id="accumulation"),
     pytest.param([*HOST_KERNEL, "train.micro_batch_size=4"], marks=SLOW, id="host-kernel"),
@@ -282,8 +283,9 @@ def test_bfloat16_gradient_sums_halve_their_memory_and_track_float32(overrides):
 
 @pytest.mark.parametrize("overrides", [
     pytest.param([], marks=SLOW, id="no-offload"),
-    pytest.param(["optimizer.optimizer_cpu_offload=True",
-                  "optimizer.optimizer_offload_fraction=0.5"], marks=SLOW, id="optimizer-offload"),
+    pytest.param(["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5",
+                  "optimizer.optimizer_offload_update_on=device"], marks=SLOW,
+                 id="optimizer-offload"),
     pytest.param(["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5",
                   "optimizer.optimizer_offload_update_on=host_kernel", "train.micro_batch_size=4"],
                  marks=SLOW, id="host-sums"),
@@ -307,7 +309,8 @@ def test_train_step_compiles_once(overrides):
 @pytest.mark.parametrize("offload", [[], ["model.cpu_offloading=True",
                                          "model.cpu_offloading_num_layers=2",
                                          "optimizer.optimizer_cpu_offload=True",
-                                         "optimizer.optimizer_offload_fraction=0.5"]],
+                                         "optimizer.optimizer_offload_fraction=0.5",
+                                         "optimizer.optimizer_offload_update_on=device"]],
                          ids=["no-offload", "offload"])
 def test_fsdp_gathers_weights_never_activations(offload):
   setup = resolve(load_config(None, ["mesh.fsdp=2", "train.global_batch_size=4",
@@ -449,7 +452,8 @@ SHARDED = "warning: optimizer offload streamed through the device on a mesh with
 ])
 def test_combinations_that_run_slower_are_warned_about(overrides, backend, warned):
   config = load_config(None, ["optimizer.optimizer_cpu_offload=True",
-                              "optimizer.optimizer_offload_fraction=0.5", *overrides])
+                              "optimizer.optimizer_offload_fraction=0.5",
+                              "optimizer.optimizer_offload_update_on=device", *overrides])
   warnings = advice.warnings(config, backend)
   assert len(warnings) == len(warned)
   for warning, start in zip(warnings, warned):
@@ -461,8 +465,9 @@ def test_combinations_that_run_slower_are_warned_about(overrides, backend, warne
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (the CPU backend has them in CI)")
 @pytest.mark.parametrize("overrides", [
     ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5",
-     "model.cpu_offloading=True", "model.cpu_offloading_num_layers=1",
-     "model.cpu_offloading_activations=False", "model.cpu_offloading_weights=True"],
+     "optimizer.optimizer_offload_update_on=device", "model.cpu_offloading=True",
+     "model.cpu_offloading_num_layers=1", "model.cpu_offloading_activations=False",
+     "model.cpu_offloading_weights=True"],
     pytest.param(HOST_KERNEL + ["model.dtype=bfloat16",
                                 "optimizer.offload_transfer_dtype=bfloat16"],
                  marks=pytest.mark.slow),

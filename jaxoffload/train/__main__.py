@@ -57,7 +57,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     if PINNED_POOL_ERROR in str(error):
       _exit(_pinned_pool_message(str(error)), 1)
     profile = _memory_profile(config)
-    levers = advice.device_memory_levers(config) if config is not None else []
+    resolved = getattr(error, "resolved_config", config)
+    levers = advice.device_memory_levers(resolved) if resolved is not None else []
     hint = (f"Lower it with: {'; '.join(levers)} (docs/config.md)." if levers else
             "Every setting that lowers device memory is at its limit: a smaller model or "
             "model.seq_length, or more devices (mesh.fsdp).")

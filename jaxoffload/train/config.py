@@ -112,10 +112,11 @@ class OptimizerConfig:
       streamed through the device in chunks), host (XLA's host computation, one core),
       host_kernel (ZeRO-Offload's split: the chosen leaves' float32 weights and moments
       live on the host and ``jaxoffload.host_adam``'s multi-threaded kernel updates them
-      between device steps; needs numba), or auto (the trainer
-      times this machine's link and host kernel, prices device and host_kernel (where
-      the host kernel's update overlaps the next forward pass, its time under that pass
-      costs nothing), takes the cheaper and prints why: ``jaxoffload.autoplace``).
+      between device steps; needs numba), or auto, the default (the trainer times this
+      machine's link and host kernel, prices device and host_kernel, each with the
+      transfer dtype it would take (where the host kernel's update overlaps the next
+      forward pass, its time under that pass costs nothing), takes the cheaper and
+      prints why: ``jaxoffload.autoplace``; 8-bit moments take host_kernel).
     overlap_cpu_optimizer_d2h_h2d: with optimizer_offload_update_on=device, true fetches
       each streamed piece of state while the previous one updates (double buffering, one
       more piece of device memory). With host_kernel, the model runs a program per layer
@@ -135,7 +136,8 @@ class OptimizerConfig:
     offload_transfer_dtype: with host_kernel, the dtype in which the device reads the
       offloaded weights and sends their clipped gradients: bfloat16 halves both copies
       for the leaves the model multiplies in bfloat16 (norm scales stay float32);
-      needs model.dtype=bfloat16.
+      needs model.dtype=bfloat16. auto, the default: bfloat16 where it may be, else
+      float32.
     store_param_remainders: with offload_transfer_dtype=bfloat16 (Megatron-Core's name),
       the host kernel keeps each float32 master as the bfloat16 weight the device reads
       (2 bytes of pinned host memory an element) and the 16 bits it drops (2 bytes of
@@ -192,10 +194,10 @@ class OptimizerConfig:
   clip_grad: float = 1.0
   optimizer_cpu_offload: bool = False
   optimizer_offload_fraction: Union[float, str] = 0.0
-  optimizer_offload_update_on: str = "device"
+  optimizer_offload_update_on: str = "auto"
   overlap_cpu_optimizer_d2h_h2d: Optional[bool] = None
   speculate_cpu_optimizer_step: bool = True
-  offload_transfer_dtype: str = "float32"
+  offload_transfer_dtype: str = "auto"
   store_param_remainders: bool = True
   accumulate_offloaded_grads_on: str = "host"
   grad_accum_dtype: Optional[str] = None

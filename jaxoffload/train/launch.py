@@ -3,6 +3,7 @@ joining other processes."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from typing import Optional
@@ -11,7 +12,8 @@ import jax
 
 from jaxoffload.train import host_memory
 from jaxoffload.train.config import Config
-from jaxoffload.train.resolve import abstract_setup
+from jaxoffload.train.resolve import Setup, abstract_setup
+from jaxoffload.train.update_place import candidate_places, settled
 
 # The pinned pool's size in GiB that size_pinned_pool set for this process, if it did.
 sized_pinned_pool_gib: Optional[int] = None
@@ -32,10 +34,10 @@ def size_pinned_pool(config: Config) -> Optional[int]:
   """Sizes XLA's pinned host pool of each GPU for ``config``'s run before JAX starts its
   backends: the arrays it holds at once (``host_memory.pinned_per_device``), an eighth
   more and room for its largest array again, in whole GiB
-  (``host_memory.PINNED_POOL_VARIABLE``). The pool never gives memory
-  back and grows by doubling regions up to its limit: sized so, it holds what the run
-  pins and little more. Leaves a limit set by the user, and a config whose ``auto``
-  settings only the machine decides, to XLA's default.
+  (``host_memory.PINNED_POOL_VARIABLE``); for ``auto`` settings, the largest of what
+  they may choose. The pool never gives memory back and grows by doubling regions up to
+  its limit: sized so, it holds what the run pins and little more. Leaves a limit set by
+  the user to it.
 
   Returns:
     The GiB set, or None.
@@ -43,20 +45,36 @@ def size_pinned_pool(config: Config) -> Optional[int]:
   global sized_pinned_pool_gib
   if host_memory.PINNED_POOL_VARIABLE in os.environ:
     return None
-  try:
-    setup = abstract_setup(config)
-  except ValueError:  # auto: decided once the machine is measured.
+  pools = [_pool_bytes(abstract_setup(c)) for c in _choices(config)]
+  if not max(pools):
     return None
-  pinned = host_memory.pinned_per_device(setup)
-  if not pinned:
-    return None
-  # The pool hands out runs of its regions; once they are cut up, no region may hold a run
-  # as long as the largest array: room for one more of it.
-  gib = math.ceil(((1 + host_memory.PINNED_POOL_SLACK) * pinned
-                   + host_memory.largest_pinned_array(setup)) / 2**30)
+  gib = math.ceil(max(pools) / 2**30)
   os.environ[host_memory.PINNED_POOL_VARIABLE] = str(gib)
   sized_pinned_pool_gib = gib
   return gib
+
+
+def _choices(config: Config) -> list[Config]:
+  """``config`` with each fraction and placement its ``auto`` settings may choose: the most
+  offload for an auto fraction, each candidate placement for an auto one."""
+  o = config.optimizer
+  if not o.optimizer_cpu_offload:
+    return [config]
+  if o.optimizer_offload_fraction == "auto":
+    config = dataclasses.replace(config, optimizer=dataclasses.replace(
+        o, optimizer_offload_fraction=1.0))
+  return [settled(config, place) for place in candidate_places(config)]
+
+
+def _pool_bytes(setup: Setup) -> int:
+  """The pinned pool ``setup``'s run needs: what it pins at once, an eighth more, and room
+  for its largest array again (once the pool's regions are cut up, no region may hold a
+  run of them as long as the largest array)."""
+  pinned = host_memory.pinned_per_device(setup)
+  if not pinned:
+    return 0
+  return int((1 + host_memory.PINNED_POOL_SLACK) * pinned
+             + host_memory.largest_pinned_array(setup))
 
 
 def start_processes(config: Config) -> None:

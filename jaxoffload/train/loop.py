@@ -95,6 +95,10 @@ def run(config: Config, *, log: Log = print, stop_after_step: Optional[int] = No
     if checkpoints is not None:
       ckpt.check_space(checkpoints, setup)
     return _run(setup, checkpoints, tensorboard, log, reporting, stop_after_step)
+  except jax.errors.JaxRuntimeError as error:
+    # What the auto settings chose: the out-of-memory advice names levers from there.
+    error.resolved_config = config
+    raise
   finally:
     if checkpoints is not None:
       ckpt.close(checkpoints)

@@ -26,7 +26,7 @@ from jaxoffload.placement import OffloadPlan, leaf_path, plan_offload
 from jaxoffload.remat import LayerGroup
 from jaxoffload.train import data, rules
 from jaxoffload.train.config import Config, ConfigError
-from jaxoffload.train.update_place import resolve_update_place
+from jaxoffload.train.update_place import candidate_places, resolve_update_place
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +165,7 @@ def resolve(config: Config) -> Setup:
   """
   choices = []
   if config.optimizer.optimizer_offload_fraction == "auto":
-    from jaxoffload.plan import fastest_offload  # The planner resolves settings itself.
+    from jaxoffload.train.fit import fastest_offload  # Which resolves settings itself.
     config = fastest_offload(config, log=choices.append)
   offload = _offload_plan(config)
   config, choice = resolve_update_place(config, offload)
@@ -179,19 +179,24 @@ def resolve(config: Config) -> Setup:
 
 
 def abstract_setup(config: Config) -> Setup:
-  """``resolve``'s placements of a config that names them (no ``auto``), over an abstract
-  mesh of its sizes, with no data: what memory its run will hold, reckoned before JAX
-  starts a backend (which ``resolve`` starts).
+  """``resolve``'s placements of a config that names them (its offload's fraction and
+  placement, not ``auto``), over an abstract mesh of its sizes, with no data: what memory
+  its run will hold, reckoned before JAX starts a backend (which ``resolve`` starts).
 
   Raises:
-    ValueError: for a config with an ``auto`` setting, which only this machine decides.
+    ValueError: for a config with an ``auto`` setting that only this machine decides.
   """
-  o = config.optimizer
-  if "auto" in (o.optimizer_offload_fraction, o.optimizer_offload_update_on):
-    raise ValueError("an auto setting is decided on this machine: resolve the config")
+  if config.optimizer.optimizer_offload_fraction == "auto":
+    raise ValueError("optimizer_offload_fraction=auto is decided on this machine: resolve the "
+                     "config")
+  offload = _offload_plan(config)
+  if offload is not None and len(candidate_places(config)) > 1:
+    raise ValueError("optimizer_offload_update_on=auto is decided on this machine: resolve the "
+                     "config")
+  config, _ = resolve_update_place(config, offload)
   m = config.mesh
   mesh = jax.sharding.AbstractMesh((m.data, m.fsdp, m.tensor), sharding.MESH_AXES)
-  return _placed(config, _offload_plan(config), mesh, None, ())
+  return _placed(config, offload, mesh, None, ())
 
 
 def _offload_plan(config: Config) -> Optional[OffloadPlan]:

@@ -82,7 +82,7 @@ def _check_choices(config: Config) -> None:
   _one_of("optimizer.lr_decay_style", o.lr_decay_style, LR_DECAY_STYLES)
   _one_of("optimizer.optimizer_offload_update_on", o.optimizer_offload_update_on,
           UPDATE_PLACEMENTS)
-  _one_of("optimizer.offload_transfer_dtype", o.offload_transfer_dtype, DTYPES)
+  _one_of("optimizer.offload_transfer_dtype", o.offload_transfer_dtype, DTYPES + ("auto",))
   _one_of("optimizer.accumulate_offloaded_grads_on", o.accumulate_offloaded_grads_on,
           GRAD_SUMS_PLACES)
   _one_of("optimizer.grad_accum_dtype", o.grad_accum_dtype, (None,) + DTYPES)
@@ -236,7 +236,7 @@ def _check_host_kernel(config: Config) -> None:
                         f"not streamed through the device: set "
                         f"optimizer.optimizer_offload_update_on to host_kernel, host or auto, "
                         f"got 'device'")
-  if o.offload_transfer_dtype != "float32":
+  if o.offload_transfer_dtype == "bfloat16":
     if o.optimizer_offload_update_on not in ("host_kernel", "auto"):
       raise ConfigError(f"optimizer.offload_transfer_dtype={o.offload_transfer_dtype} needs "
                         f"optimizer.optimizer_offload_update_on=host_kernel (or auto), got "

@@ -1,5 +1,6 @@
-"""Which exact update placement a run of a config takes with ``optimizer_offload_update_on=auto``:
-each priced on this machine (``autoplace``), under the device work the trainer hides it under."""
+"""Where a run's offloaded state updates with ``optimizer_offload_update_on=auto`` (the
+default), each exact placement priced on this machine (``autoplace``) under the device work
+the trainer hides it under, and the dtype its transfers take (``offload_transfer_dtype=auto``)."""
 
 from __future__ import annotations
 
@@ -54,17 +55,19 @@ def price_updates(config: Config, offload: OffloadPlan, machine: autoplace.Machi
                   host_kernel: bool) -> autoplace.Choice:
   """What each exact update placement adds to a step of ``config`` with ``offload``, on
   ``machine`` (the host kernel priced only where ``host_kernel`` and the config allow it,
-  and under the device work the trainer would overlap it with, ``overlap_seconds``)."""
+  with the transfer dtype it would take, and under the device work the trainer would
+  overlap it with, ``overlap_seconds``)."""
   o = config.optimizer
   # Each device copies its own shards; the host kernel updates all of this process's (the
   # mesh's devices are spread evenly over the processes).
   m = config.mesh
   per_device = offload.offloaded_elements // (m.fsdp * m.tensor)
   local_devices = m.data * m.fsdp * m.tensor // jax.process_count()
+  wire = jnp.dtype(transfer_dtype(config, "host_kernel")).itemsize
   return autoplace.choose(
       machine, offloaded_elements=per_device,
       moment_bytes_per_element=sum(moment_bytes(d) for d in rules.moment_dtypes(config)),
-      transfer_bytes_per_element=jnp.dtype(o.offload_transfer_dtype).itemsize,
+      transfer_bytes_per_element=wire,
       weight_bytes_per_element=(None if o.store_param_remainders
                                 else jnp.dtype(config.model.params_dtype).itemsize),
       local_elements=per_device * local_devices,
@@ -72,24 +75,52 @@ def price_updates(config: Config, offload: OffloadPlan, machine: autoplace.Machi
       overlap_s=overlap_seconds(config))
 
 
+def transfer_dtype(config: Config, place: str) -> str:
+  """The dtype the host kernel's weights and gradients cross in, for ``config`` updated on
+  ``place``: ``optimizer.offload_transfer_dtype``, or for auto bfloat16 where the host kernel
+  updates a model that multiplies in bfloat16 (half the bytes each way), else float32."""
+  wire = config.optimizer.offload_transfer_dtype
+  if wire != "auto":
+    return wire
+  return "bfloat16" if place == "host_kernel" and config.model.dtype == "bfloat16" else "float32"
+
+
+def settled(config: Config, place: str) -> Config:
+  """``config`` updating its offloaded state on ``place``, its transfer dtype decided."""
+  return dataclasses.replace(config, optimizer=dataclasses.replace(
+      config.optimizer, optimizer_offload_update_on=place,
+      offload_transfer_dtype=transfer_dtype(config, place)))
+
+
+def candidate_places(config: Config) -> tuple[str, ...]:
+  """The placements ``config``'s offloaded state may update on: its own, or for auto the
+  host kernel (where numba is installed) and the device's stream, which cannot keep 8-bit
+  blocks (rules: the host's XLA computation stands in without numba)."""
+  place = config.optimizer.optimizer_offload_update_on
+  if place != "auto":
+    return (place,)
+  kernel = importlib.util.find_spec("numba") is not None
+  if "int8" in rules.moment_dtypes(config):
+    return ("host_kernel" if kernel else "host",)
+  return ("device", "host_kernel") if kernel else ("device",)
+
+
 def resolve_update_place(config: Config, offload: Optional[OffloadPlan]
                           ) -> tuple[Config, Optional[autoplace.Choice]]:
   """``config`` with ``optimizer_offload_update_on=auto`` replaced by the exact placement this
-  machine runs fastest, and that choice; any other config unchanged."""
-  o = config.optimizer
-  if o.optimizer_offload_update_on != "auto":
-    return config, None
-  place = lambda p: dataclasses.replace(
-      config, optimizer=dataclasses.replace(o, optimizer_offload_update_on=p))
+  machine runs fastest, and that choice, and ``offload_transfer_dtype=auto`` by the dtype
+  that placement takes (``transfer_dtype``). Without offload, there is nothing to decide:
+  ``config`` unchanged."""
   if offload is None:
-    return place("device"), None
-  if "int8" in rules.moment_dtypes(config):  # 8-bit blocks are not streamed (rules).
-    return place("host_kernel" if importlib.util.find_spec("numba") else "host"), None
+    return config, None
+  places = candidate_places(config)
+  if len(places) == 1:
+    return settled(config, places[0]), None
   choice = price_updates(config, offload, autoplace.measure_machine(),
-                         host_kernel=importlib.util.find_spec("numba") is not None)
+                         host_kernel="host_kernel" in places)
   if jax.process_count() > 1:
     # Every process must build the same program: process 0's choice holds.
     places = list(choice.predicted_s)
     first = multihost_utils.broadcast_one_to_all(np.int32(places.index(choice.place)))
     choice = dataclasses.replace(choice, place=places[int(first)])
-  return place(choice.place), choice
+  return settled(config, choice.place), choice
