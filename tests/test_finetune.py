@@ -42,10 +42,14 @@ def test_the_first_loss_is_the_checkpoints_own(offload):
 
 
 @pytest.mark.slow
-def test_fine_tuning_checkpoints_and_exports_bit_exactly(tmp_path):
-  # One step at the warm-up's first learning rate, 0, leaves the weights as they came.
-  run(load_config(None, FINE_TUNE + ["train.train_iters=1", f"checkpoint.dir={tmp_path}/run"]),
-      log=QUIET)
+@pytest.mark.parametrize("offload", [
+    [], ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5",
+         "optimizer.optimizer_offload_update_on=host_kernel"]], ids=["no-offload", "host-kernel"])
+def test_fine_tuning_checkpoints_and_exports_bit_exactly(tmp_path, offload):
+  # One step at the warm-up's first learning rate, 0, leaves the weights as they came. The
+  # host kernel's leaves are saved as files of their own, which the export reads too.
+  run(load_config(None, FINE_TUNE + ["train.train_iters=1", f"checkpoint.dir={tmp_path}/run",
+                                     *offload]), log=QUIET)
   files = export(str(tmp_path / "run"), str(tmp_path / "hf"))
   assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= set(files)
   original = load_file(os.path.join(CHECKPOINT, "model.safetensors"))

@@ -278,8 +278,3 @@ def read_meta(checkpoints: ocp.CheckpointManager, step: int) -> dict[str, Any]:
   return checkpoints.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
 
-def restore_params(checkpoints: ocp.CheckpointManager, step: int, target: Any) -> Any:
-  """Step ``step``'s parameter tree alone, read into ``target``'s shapes and placements."""
-  restored = checkpoints.restore(
-      step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))
-  return restored["params"]

@@ -61,7 +61,9 @@ def run_params(path: str) -> tuple[Any, Any]:
   shapes = abstract_params(Llama(config.model.llama(), rules.layer_groups(config)),
                            jnp.zeros((1, 2), jnp.int32))
   cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
-  return config, ckpt.restore_params(checkpoints, step, targets(shapes, cpu))
+  # Read leaf by leaf: the host kernel's leaves are files of their own (train.host_checkpoint).
+  return config, reader.read_tree(checkpoints, step, "params", ckpt.layer_ranges(config),
+                                  targets(shapes, cpu))
 
 
 def staging_bytes(setup: Setup) -> int:
