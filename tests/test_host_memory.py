@@ -12,7 +12,7 @@ from jaxoffload.train import Trainer, load_config, resolve
 from jaxoffload.train.config import ConfigError
 from jaxoffload.train import host_checkpoint
 from jaxoffload.memory import _read_keyed
-from jaxoffload.train.host_memory import available, needed
+from jaxoffload.train.host_memory import available, check, needed
 
 OFFLOAD = ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=1.0",
            "optimizer.optimizer_offload_update_on=device"]
@@ -131,7 +131,8 @@ def test_an_unclipped_overlapped_update_holds_a_bounded_share_of_its_gradients(m
 def test_a_run_that_cannot_fit_is_refused_in_one_line_before_it_allocates():
   result = subprocess.run(
       [sys.executable, "-m", "jaxoffload.train", "--config", "configs/llama_8b_offload.yaml",
-       "optimizer.optimizer_offload_fraction=1.0", "train.host_memory_limit=16GB"],
+       "optimizer.optimizer_offload_fraction=1.0", "optimizer.optimizer_offload_update_on=device",
+       "train.host_memory_limit=16GB"],
       capture_output=True, text=True, timeout=120, check=False)
   assert result.returncode == 2, result.stderr
   line, = [l for l in result.stderr.splitlines() if l.strip()]
@@ -284,3 +285,18 @@ print(gib, pinned)
   gib, pinned = done.stdout.split()
   # The 13B shape's bfloat16 weights and a bounded share of its gradients: 26 GB and more.
   assert 26e9 < int(pinned) < 30e9 and int(gib) == 36
+
+
+def test_a_refusal_names_each_lever_once_and_none_at_its_limit():
+  # The fraction lowers three parts; the moments are 8-bit and the transfers bfloat16 already.
+  setup = resolve(load_config("configs/llama_1b.yaml", [
+      "data.dataset=synthetic", "optimizer.optimizer_cpu_offload=True",
+      "optimizer.optimizer_offload_fraction=1.0", "optimizer.optimizer_offload_update_on=host_kernel",
+      "model.dtype=bfloat16", "optimizer.exp_avg_dtype=int8", "optimizer.exp_avg_sq_dtype=int8",
+      "train.micro_batch_size=4", "train.host_memory_limit=5GB"]))
+  with pytest.raises(ConfigError) as refused:
+    check(setup)
+  keys = str(refused.value).split("; lower it with ")[1].split(", or set ")[0].split(", ")
+  assert keys == ["optimizer.optimizer_offload_fraction",
+                  "optimizer.accumulate_offloaded_grads_on=device",
+                  "model.params_dtype=bfloat16 (bfloat16 masters)"]

@@ -373,7 +373,8 @@ def test_bfloat16_transfers_change_no_loss_and_keep_norm_scales_float32():
   halved = load_config(None, overrides + ["optimizer.offload_transfer_dtype=bfloat16"])
   rounded_by_device = load_config(None, overrides + [
       "optimizer.offload_transfer_dtype=bfloat16", "optimizer.store_param_remainders=False"])
-  float32 = train(load_config(None, overrides), log=QUIET)
+  float32 = train(load_config(None, overrides + ["optimizer.offload_transfer_dtype=float32"]),
+                  log=QUIET)
   assert train(rounded_by_device, log=QUIET) == float32
   # Split masters round ties away from zero, not to even: one weight in 65536, one step.
   np.testing.assert_allclose(train(halved, log=QUIET), float32, rtol=1e-4)
