@@ -3,9 +3,10 @@
 A checkpoint is a directory as transformers' ``save_pretrained`` writes it:
 ``config.json`` and ``model.safetensors``, or shards named by
 ``model.safetensors.index.json``, in bfloat16, float16 or float32. Loading
-reads each tensor lazily from the memory-mapped files and writes each
-parameter leaf once, straight into its sharding and memory kind: every
-device receives only its shard, and the host holds one leaf at a time.
+copies each tensor from the memory-mapped files on every core
+(``jaxoffload.tensor_files``) and writes each parameter leaf once, straight
+into its sharding and memory kind: every device receives only its shard, and
+the host holds one leaf at a time.
 
 Example:
   >>> config, params = load_checkpoint("Llama-3.2-1B")
@@ -15,7 +16,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import os
@@ -24,7 +24,6 @@ from typing import Any, Iterator, Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from jaxoffload._compat import to_device
@@ -34,6 +33,7 @@ from jaxoffload.model import Llama, LlamaConfig
 from jaxoffload.params import abstract_params
 from jaxoffload.placement import leaf_path
 from jaxoffload.remat import LayerGroup
+from jaxoffload.tensor_files import MappedFile, copy_blocks
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -91,23 +91,16 @@ def _weight_map(directory: str) -> dict[str, str]:
     return files
   if not os.path.exists(single):
     raise CheckpointError(f"{directory} holds neither {WEIGHTS_FILE} nor {INDEX_FILE}")
-  return {name: single for name in _open(single).keys()}
+  return {name: single for name in MappedFile(single).keys()}
 
 
-def _open(file: str):
-  try:
-    return safe_open(file, framework="numpy")
-  except (SafetensorError, OSError, ValueError) as error:
-    raise CheckpointError(f"{file}: not a readable safetensors file ({error})") from None
-
-
-def _check_tensors(directory: str, names: dict[str, str], handles: dict,
+def _check_tensors(directory: str, names: dict[str, str], files: dict[str, MappedFile],
                    expected: dict[str, tuple]) -> None:
   """Every tensor the model needs is there with its shape, and nothing it would ignore."""
   for name, shape in expected.items():
     if name not in names:
       raise CheckpointError(f"{directory}: tensor {name} is in no safetensors file")
-    found = tuple(handles[names[name]].get_slice(name).get_shape())
+    found = files[names[name]].shape(name)
     if found != shape:
       raise CheckpointError(f"{names[name]}: tensor {name} has shape {list(found)}; "
                             f"config.json makes it {list(shape)}")
@@ -155,41 +148,40 @@ def load_checkpoint(directory: str, *, config: Optional[LlamaConfig] = None,
   shapes = abstract_params(Llama(config, groups), probe)
   paths = [leaf_path(path) for path, _ in jax.tree_util.tree_flatten_with_path(shapes)[0]]
   names = _weight_map(directory)
-  with contextlib.ExitStack() as stack:
-    handles = {file: stack.enter_context(_open(file)) for file in sorted(set(names.values()))}
-    _check_tensors(directory, names, handles, tensor_shapes(config))
+  files = {file: MappedFile(file) for file in sorted(set(names.values()))}
+  _check_tensors(directory, names, files, tensor_shapes(config))
 
-    def place(path, leaf, sharding):
-      read = _reader(_sources(path), path.startswith("layers_"), names, handles, leaf.dtype)
-      if sharding is None:
-        return jnp.asarray(read((slice(None),) * len(leaf.shape)))
-      return jax.make_array_from_callback(leaf.shape, sharding, read)
+  def place(path, leaf, sharding):
+    read = _reader(_sources(path), path.startswith("layers_"), names, files, leaf.dtype)
+    if sharding is None:
+      return jnp.asarray(read((slice(None),) * len(leaf.shape)))
+    return jax.make_array_from_callback(leaf.shape, sharding, read)
 
-    leaf_shardings = [None] * len(paths) if shardings is None else jax.tree.leaves(shardings)
-    leaves = [place(p, leaf, s) for p, leaf, s in zip(paths, jax.tree.leaves(shapes),
-                                                      leaf_shardings)]
+  leaf_shardings = [None] * len(paths) if shardings is None else jax.tree.leaves(shardings)
+  leaves = [place(p, leaf, s) for p, leaf, s in zip(paths, jax.tree.leaves(shapes),
+                                                    leaf_shardings)]
   return config, jax.tree.unflatten(jax.tree.structure(shapes), leaves)
 
 
-def _reader(source: tuple[list[str], bool], stacked: bool, names: dict, handles: dict, dtype):
+def _reader(source: tuple[list[str], bool], stacked: bool, names: dict[str, str],
+            files: dict[str, MappedFile], dtype):
   """``index -> numpy`` for one leaf: the part ``index`` selects, in the leaf's layout."""
   tensors, transposed = source
 
-  def piece(name: str, index: tuple) -> np.ndarray:
-    values = handles[names[name]].get_slice(name)[tuple(reversed(index)) if transposed else index]
-    return (values.T if transposed else values).astype(dtype)
+  def view(name: str, index: tuple) -> np.ndarray:  # The part on disk, in the disk's layout.
+    return files[names[name]].tensor(name)[tuple(reversed(index)) if transposed else index]
+
+  def copy(views: list[np.ndarray]) -> np.ndarray:
+    shape = views[0].shape[::-1] if transposed else views[0].shape
+    out = np.empty((len(views), *shape), dtype)
+    # Straight from the page cache into the leaf: the host holds the leaf once.
+    copy_blocks([(part, v, transposed) for part, v in zip(out, views)])
+    return out
 
   def read(index: tuple) -> np.ndarray:
     if not stacked:
-      return piece(tensors[0], index)
-    names = tensors[index[0]]
-    # Filled layer by layer: the host holds the leaf once, and one layer more.
-    first = piece(names[0], index[1:])
-    out = np.empty((len(names), *first.shape), first.dtype)
-    out[0] = first
-    for k, name in enumerate(names[1:], start=1):
-      out[k] = piece(name, index[1:])
-    return out
+      return copy([view(tensors[0], index)])[0]
+    return copy([view(name, index[1:]) for name in tensors[index[0]]])
 
   return read
 
