@@ -54,7 +54,8 @@ def make(shape: str, directory: str) -> dict:
       ml_dtypes.bfloat16)
   start, shards, shard, size, total = time.perf_counter(), [], {}, 0, 0
   for i, (name, tensor_shape) in enumerate(hf.tensor_shapes(read_config(directory)).items()):
-    tensor = np.resize(np.roll(pool, i), tensor_shape)
+    # A copy: np.resize returns a view of a larger array, which the shard would keep alive.
+    tensor = np.resize(np.roll(pool, i), tensor_shape).copy()
     if size and size + tensor.nbytes > hf.MAX_SHARD_BYTES:
       shards.append(shard)
       shard, size = {}, 0
