@@ -162,14 +162,8 @@ def step_kernel(grad_is_bf16: bool, weights: str, mu: str, nu: str):
     # block's old scale.
     grad_scale, _, b1, b2, one_minus_b1, one_minus_b2, _, _, _, _, _, _, _ = hyper
     g = (_widen(grad[i]) if grad_is_bf16 else grad[i]) * grad_scale
-    if mu_codes:
-      old_m = _decode(mu[i], mu_scale, True)
-    else:
-      old_m = _widen(mu[i]) if mu_bf16 else mu[i]
-    if nu_codes:
-      old_v = _decode(nu[i], nu_scale, False)
-    else:
-      old_v = _widen(nu[i]) if nu_bf16 else nu[i]
+    old_m = _decode(mu[i], mu_scale, True) if mu_codes else _widen(mu[i]) if mu_bf16 else mu[i]
+    old_v = _decode(nu[i], nu_scale, False) if nu_codes else _widen(nu[i]) if nu_bf16 else nu[i]
     return b1 * old_m + one_minus_b1 * g, b2 * old_v + one_minus_b2 * (g * g)
 
   @_jit_inline
