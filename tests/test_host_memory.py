@@ -7,9 +7,11 @@ import sys
 import jax
 import pytest
 
-from jaxoffload.memory import host_rss_bytes, parse_bytes
+from jaxoffload.memory import host_rss_bytes, parse_bytes, size
 from jaxoffload.train import Trainer, load_config, resolve
 from jaxoffload.train.config import ConfigError
+from jaxoffload.train.loading import override
+from jaxoffload.train.resolve import variant
 from jaxoffload.train import host_checkpoint
 from jaxoffload.memory import _read_keyed
 from jaxoffload.train.host_memory import available, check, needed
@@ -296,7 +298,14 @@ def test_a_refusal_names_each_lever_once_and_none_at_its_limit():
       "train.micro_batch_size=4", "train.host_memory_limit=5GB"]))
   with pytest.raises(ConfigError) as refused:
     check(setup)
-  keys = str(refused.value).split("; lower it with ")[1].split(", or set ")[0].split(", ")
-  assert keys == ["optimizer.optimizer_offload_fraction",
-                  "optimizer.accumulate_offloaded_grads_on=device",
-                  "model.params_dtype=bfloat16 (bfloat16 masters)"]
+  levers = str(refused.value).split("; lower it with ")[1].split(", or set ")[0]
+  # Each with what the run would need once it is set: the guard's own arithmetic.
+  need = lambda setting: needed(variant(setup, override(setup.config, [setting]))).total
+  half, summed_on_device, bf16_masters = (need(setting) for setting in (
+      "optimizer.optimizer_offload_fraction=0.5", "optimizer.accumulate_offloaded_grads_on=device",
+      "model.params_dtype=bfloat16"))
+  assert levers == (
+      f"optimizer.optimizer_offload_fraction=0.5 (needs {size(half)}), "
+      f"optimizer.accumulate_offloaded_grads_on=device (needs {size(summed_on_device)}), "
+      f"model.params_dtype=bfloat16 (bfloat16 masters; needs {size(bf16_masters)})")
+  assert max(half, summed_on_device, bf16_masters) < needed(setup).total

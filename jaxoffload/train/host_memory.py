@@ -21,7 +21,7 @@ from jaxoffload import host_state
 from jaxoffload.model import group_name
 from jaxoffload.placement import leaf_path
 from jaxoffload.memory import available, offloaded_activation_bytes, parse_bytes, size
-from jaxoffload.train import checkpoints, host_checkpoint
+from jaxoffload.train import checkpoints, host_checkpoint, levers
 from jaxoffload.train import weights as weights_
 from jaxoffload.train.config import ConfigError
 from jaxoffload.train.overlap import GRADIENT_BYTES_AHEAD
@@ -75,37 +75,6 @@ class HostBytes:
 PARTS = ("optimizer state", "host kernel weights", "host kernel gradients",
          "host kernel moments and sums", "offloaded weights", "offloaded activations",
          "saving a checkpoint")
-
-
-def lowering_keys(setup: Setup) -> dict[str, list[str]]:
-  """Per part of ``needed``, the settings that would lower it from where ``setup`` stands:
-  none already at its limit."""
-  c = setup.config
-  o, m = c.optimizer, c.model
-  fraction = [] if setup.offload is None else ["optimizer.optimizer_offload_fraction"]
-  moments = setup.moment_dtypes
-  smaller = lambda compact: [f"optimizer.{key}={compact}" for key, dtype in
-                             zip(("exp_avg_dtype", "exp_avg_sq_dtype"), moments)
-                             if jnp.dtype(dtype).itemsize > jnp.dtype(compact).itemsize]
-  streamed = o.optimizer_offload_update_on == "device"  # Which cannot keep 8-bit blocks.
-  keys = {"optimizer state": fraction + smaller("bfloat16" if streamed else "int8"),
-          "offloaded weights": ["model.cpu_offloading_num_layers"],
-          "offloaded activations": ["model.cpu_offloading_num_layers", "train.micro_batch_size"],
-          "saving a checkpoint": ["no checkpoint.dir"]}
-  if setup.host_kernel:
-    keys["host kernel weights"] = fraction + (
-        ["model.params_dtype=bfloat16 (bfloat16 masters)"] if m.params_dtype == "float32" else [])
-    keys["host kernel gradients"] = (
-        ["optimizer.offload_transfer_dtype=bfloat16"]
-        if o.offload_transfer_dtype == "float32" and m.dtype == "bfloat16" else [])
-    keys["host kernel moments and sums"] = fraction + smaller("int8") + (
-        ["optimizer.accumulate_offloaded_grads_on=device"] if setup.sums_on_host else [])
-    # Several processes' saves gather the host kernel's state (one process writes it a piece
-    # at a time); the device's streamed update cannot keep 8-bit moments.
-    if c.distributed.initialize and "int8" not in moments:
-      keys["saving a checkpoint"].insert(0, "optimizer.optimizer_offload_update_on=device "
-                                            "(whose saves copy less)")
-  return keys
 
 
 def local_elements(shape: Any, sharding: jax.sharding.Sharding) -> int:
@@ -272,7 +241,7 @@ def check(setup: Setup) -> HostBytes:
   pool = pinned_pool_limit()
   per_device = int((1 + PINNED_POOL_SLACK) * pinned_per_device(setup))
   if pool is not None and per_device > pool:
-    keys = lowering_keys(setup)
+    keys = levers.lowering_keys(setup)
     pinned_by = (keys["host kernel weights"] + keys["host kernel gradients"]
                  if setup.host_kernel else keys["optimizer state"])
     raise ConfigError(
@@ -286,10 +255,12 @@ def check(setup: Setup) -> HostBytes:
     return need
   # The keys of the parts that matter, largest first.
   advice = pool_limit_advice(need)
-  lowered_by = {**lowering_keys(setup), "pinned allocator overhead": [advice] if advice else []}
+  lowered_by = {**levers.lowering_keys(setup),
+                "pinned allocator overhead": [advice] if advice else []}
   parts = sorted(((n, name) for name, n in {**need.held, **need.transient}.items()
                   if lowered_by.get(name) and n >= need.total / 10), reverse=True)
-  keys = ", ".join(dict.fromkeys(key for _, name in parts for key in lowered_by[name]))
+  keys = list(dict.fromkeys(key for _, name in parts for key in lowered_by[name]))
+  keys = ", ".join(levers.with_figures(setup, keys, lambda s: needed(s).total))
   lower = f"; lower it with {keys}" if keys else ""
   raise ConfigError(f"host memory: this run needs about {size(need.total)} more ({need}) but "
                     f"{size(max(have, 0))} is {source}{lower}, or set train.host_memory_limit "

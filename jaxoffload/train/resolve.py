@@ -189,13 +189,24 @@ def abstract_setup(config: Config) -> Setup:
   if config.optimizer.optimizer_offload_fraction == "auto":
     raise ValueError("optimizer_offload_fraction=auto is decided on this machine: resolve the "
                      "config")
-  offload = _offload_plan(config)
-  if offload is not None and len(candidate_places(config)) > 1:
+  if _offload_plan(config) is not None and len(candidate_places(config)) > 1:
     raise ValueError("optimizer_offload_update_on=auto is decided on this machine: resolve the "
                      "config")
-  config, _ = resolve_update_place(config, offload)
   m = config.mesh
-  mesh = jax.sharding.AbstractMesh((m.data, m.fsdp, m.tensor), sharding.MESH_AXES)
+  return _without_data(config, jax.sharding.AbstractMesh((m.data, m.fsdp, m.tensor),
+                                                         sharding.MESH_AXES))
+
+
+def variant(setup: Setup, config: Config) -> Setup:
+  """The ``Setup`` of ``config``, a resolved run's config with a setting changed (its
+  placements named, no ``auto``), over the run's mesh, with no data: what the run would
+  hold with that setting."""
+  return _without_data(config, setup.mesh)
+
+
+def _without_data(config: Config, mesh: Any) -> Setup:
+  offload = _offload_plan(config)
+  config, _ = resolve_update_place(config, offload)
   return _placed(config, offload, mesh, None, ())
 
 
