@@ -156,8 +156,16 @@ def test_export_of_no_run_exits_2_with_one_line(tmp_path, capsys):
   assert capsys.readouterr().err == f"error: checkpoint '{tmp_path}/no-run' is not a directory\n"
 
 
-def test_shape_keys_beside_a_checkpoint_must_agree():
-  with pytest.raises(ConfigError, match=r"^model.num_layers=5 disagrees with "
-                                        r"tests/fixtures/tiny_llama/config.json, which makes it 2; "
-                                        r"leave model.num_layers out$"):
-    load_config(None, [f"model.hf_checkpoint={CHECKPOINT}", "model.num_layers=5"])
+@pytest.mark.parametrize("path, overrides, key, value", [
+    (None, ["model.num_layers=5"], "num_layers", 5),
+    # Given, though equal to the default: still not the checkpoint's.
+    (None, ["model.hidden_size=64"], "hidden_size", 64),
+    # A config file's shape beside a checkpoint of another.
+    ("configs/tiny.yaml", [], "hidden_size", 64)])
+def test_shape_keys_beside_a_checkpoint_must_agree(path, overrides, key, value):
+  with pytest.raises(ConfigError, match=rf"^model.{key}={value} disagrees with "
+                                        r"tests/fixtures/tiny_llama/config.json, which makes it "
+                                        rf"\d+; leave model.{key} out$"):
+    load_config(path, [f"model.hf_checkpoint={CHECKPOINT}", *overrides])
+  agreeing = load_config(None, [f"model.hf_checkpoint={CHECKPOINT}", "model.hidden_size=32"])
+  assert agreeing.model.hidden_size == 32

@@ -18,7 +18,7 @@ import yaml
 from jaxoffload.hf_config import CheckpointError, read_config
 from jaxoffload.model import LlamaConfig
 from jaxoffload.train import rules
-from jaxoffload.train.config import Config, ConfigError, ModelConfig
+from jaxoffload.train.config import Config, ConfigError
 
 # LlamaConfig fields a checkpoint does not decide: how the run computes, and on what.
 RUN_FIELDS = ("dtype", "params_dtype", "seq_length", "attention_implementation")
@@ -62,18 +62,19 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Co
   items = [] if path is None else _file_items(path, ())
   items += [parse_override(text) for text in overrides]
   config = _with_values(Config(), items)
+  given = {key for key, _ in items}
   if config.model.hf_checkpoint is not None:
     try:
       source = read_config(config.model.hf_checkpoint)
     except CheckpointError as error:
       raise ConfigError(str(error)) from None
-    config = _with_shape_of(config, source, f"{config.model.hf_checkpoint}/config.json")
+    config = _with_shape_of(config, source, f"{config.model.hf_checkpoint}/config.json", given)
   elif config.checkpoint.init_from is not None:
     from jaxoffload.train import checkpoints  # Reads orbax checkpoints: only when asked.
 
     meta = checkpoints.read_meta(*checkpoints.locate(config.checkpoint.init_from))
     source = config_from_dict(meta["config"]).model.llama()
-    config = _with_shape_of(config, source, f"the run in {config.checkpoint.init_from}")
+    config = _with_shape_of(config, source, f"the run in {config.checkpoint.init_from}", given)
   rules.check(config)
   return config
 
@@ -100,18 +101,19 @@ def config_from_dict(values: dict[str, dict[str, Any]]) -> Config:
                                  if key not in REMOVED_KEYS])
 
 
-def _with_shape_of(config: Config, source: LlamaConfig, where: str) -> Config:
+def _with_shape_of(config: Config, source: LlamaConfig, where: str, given: set[str]
+                   ) -> Config:
   """``config`` with the model's shape taken from ``source``.
 
   Raises:
-    ConfigError: for a shape key given (other than its default) that disagrees.
+    ConfigError: for a shape key ``given`` (in a file or an override, whatever its value)
+      that disagrees.
   """
-  defaults = ModelConfig()
   shape = [f.name for f in dataclasses.fields(LlamaConfig) if f.name not in RUN_FIELDS]
   for name in shape:
-    given, read = getattr(config.model, name), getattr(source, name)
-    if given != getattr(defaults, name) and given != read:
-      raise ConfigError(f"model.{name}={given!r} disagrees with {where}, which makes it "
+    value, read = getattr(config.model, name), getattr(source, name)
+    if f"model.{name}" in given and value != read:
+      raise ConfigError(f"model.{name}={value!r} disagrees with {where}, which makes it "
                         f"{read!r}; leave model.{name} out")
   return dataclasses.replace(config, model=dataclasses.replace(
       config.model, **{name: getattr(source, name) for name in shape}))
