@@ -21,8 +21,22 @@ def test_default_settings_are_valid_configs_with_the_baseline_first(dtype):
           "activations 3 layers", "optimizer 0.5 device + activations 3 layers"} <= set(matrix)
   halved = {name for name in matrix if "bf16 transfers" in name}
   assert len(halved) == (6 if dtype == "bfloat16" else 0)  # Each fraction, overlapped or not.
-  for overrides in matrix.values():
-    load_config(None, [f"model.dtype={dtype}", *overrides])
+  for name, overrides in matrix.items():
+    o = load_config(None, [f"model.dtype={dtype}", *overrides]).optimizer
+    if name.endswith(" default"):  # The seed's two keys alone.
+      assert overrides == ["optimizer.optimizer_cpu_offload=True",
+                           f"optimizer.optimizer_offload_fraction={o.optimizer_offload_fraction}"]
+      assert (o.optimizer_offload_update_on, o.offload_transfer_dtype) == ("auto", "auto")
+    elif "host_kernel" in name:  # Every transfer dtype named, whatever the default.
+      assert o.offload_transfer_dtype == ("bfloat16" if "bf16" in name else "float32")
+  assert sum(name.endswith(" default") for name in matrix) == 3
+
+
+def test_a_float32_model_is_told_the_bf16_transfers_settings_are_left_out(capsys):
+  _matrix(_parser().parse_args([]), [])
+  assert capsys.readouterr().err == settings.BF16_TRANSFERS_NOTE + "\n"
+  _matrix(_parser().parse_args([]), ["model.dtype=bfloat16"])
+  assert capsys.readouterr().err == ""
 
 
 def test_comparison_against_the_baseline():

@@ -3,9 +3,10 @@
   python -m jaxoffload.bench --config configs/llama_1b.yaml --steps 10 --out bench/llama_1b
 
 Runs the trainer once per setting (baseline, twice; optimizer offload at
-fractions 0.25, 0.5 and 1.0 with each update placement, the device placement
-and the host kernel with and without overlap, and the host kernel with
-bfloat16 transfers; activation offload of half and of all but one layer; both
+fractions 0.25, 0.5 and 1.0 with every other key at its default, then with
+each update placement, the device placement and the host kernel with and
+without overlap, and the host kernel with bfloat16 transfers (a model that
+computes in bfloat16); activation offload of half and of all but one layer; both
 offloads together), each in a fresh process so that no setting's
 memory shows in another's, on the same data and seed. Reports per
 setting the median and spread of step time, tokens/s, MFU, peak device memory
@@ -121,6 +122,8 @@ def _matrix(args: argparse.Namespace, common: list[str]) -> dict[str, list[str]]
   """The settings to run, each checked as a config before any runs."""
   model = load_config(args.config, common).model
   matrix = settings.default_settings(model.num_layers, model.dtype == "bfloat16")
+  if model.dtype != "bfloat16" and not args.settings:
+    print(settings.BF16_TRANSFERS_NOTE, file=sys.stderr)
   if args.settings or args.setting:
     chosen = [name.strip() for name in (args.settings or "").split(",") if name.strip()]
     unknown = [name for name in chosen if name not in matrix]
