@@ -6,6 +6,7 @@ compiler with the state's own device bytes plus a fixed temporary.
 """
 
 import dataclasses
+import os
 import subprocess
 import sys
 
@@ -13,11 +14,12 @@ import jax
 import pytest
 
 from jaxoffload import autoplace, plan
-from jaxoffload.plan import search, timing
+from jaxoffload.plan import search, timing, xla_logs
 from jaxoffload.plan.__main__ import main as plan_main
-from jaxoffload.train import fit, load_config, resolve, step_time, train
+from jaxoffload.train import fit, host_memory, load_config, resolve, step_time, train
 from jaxoffload.train.__main__ import main as train_main
 from jaxoffload.train.config import ConfigError
+from jaxoffload.train.loading import override
 from jaxoffload.train.step import CompiledStep, Trainer, resident_device_bytes
 
 MACHINE = autoplace.Machine(host_to_device=50e9, device_to_host=50e9, kernel_rate=5e9,
@@ -199,14 +201,41 @@ def test_auto_offload_needs_the_master_switch():
 @pytest.mark.slow
 def test_the_calibration_times_every_activation_setting():
   config = load_config(None, [])
-  settings = plan.activation_settings(config)
-  from jaxoffload.train.loading import override
+  settings = plan.activation_settings(config, backend="gpu")
   calibration = plan.calibrate([override(config, o) for o in settings.values()],
                                log=lambda _: None)
   assert set(calibration.layer_s) == {"save", "selective", "recompute", "offload qkv",
                                       "offload qkv + weights"}
   assert calibration.micro_batch_size == 8 and 0 <= calibration.overhead <= 1
   assert calibration.device_bandwidth > 0 and calibration.fixed_s >= 0
+
+
+def test_the_calibration_times_each_setting_but_saving_at_one_depth(monkeypatch):
+  # A device whose pass takes a fixed part and each layer's time, a quarter of it not
+  # shrinking with the micro-batch: the calibration finds each part back.
+  layer_s = {"save": 0.004, "selective": 0.005, "recompute": 0.006, "offload qkv": 0.007,
+             "offload qkv + weights": 0.009}
+  depths = []
+
+  def fwd_bwd_s(config, overrides):
+    small = override(config, overrides)
+    depths.append(small.model.num_layers)
+    share = 0.25 + 0.75 * small.train.micro_batch_size / 8
+    return share * (0.010 + sum(n * layer_s[mode]
+                                for mode, n in step_time.layer_modes(small).items()))
+
+  monkeypatch.setattr(timing, "_fwd_bwd_s", fwd_bwd_s)
+  monkeypatch.setattr(timing, "_device_bandwidth", lambda: 1e12)
+  config = load_config(None, [])
+  settings = plan.activation_settings(config, backend="gpu")
+  calibration = plan.calibrate([override(config, o) for o in settings.values()],
+                               log=lambda _: None)
+  assert calibration.layer_s == pytest.approx(layer_s)
+  assert calibration.fixed_s == pytest.approx(0.010)
+  assert calibration.overhead == pytest.approx(0.25)
+  # Saving at 1 and 2 layers and 2 at half the size; each other setting once (offloaded: one
+  # layer and a saved one after it).
+  assert sorted(depths) == [1, 1, 1, 2, 2, 2, 2]
 
 
 def test_the_calibration_times_the_model_with_its_weights_on_the_device(monkeypatch):
@@ -219,15 +248,74 @@ def test_the_calibration_times_the_model_with_its_weights_on_the_device(monkeypa
   assert {s.memory_kind for s in jax.tree.leaves(resolve(config).param_shardings)} == {
       "pinned_host"}
   kinds = set()
-  init_params = timing.init_params
+  inputs = timing._inputs
 
-  def recorded(model, key, tokens, shardings):
-    kinds.update(s.memory_kind for s in jax.tree.leaves(shardings))
-    return init_params(model, key, tokens, shardings)
+  def recorded(setup):
+    params, tokens = inputs(setup)
+    kinds.update(x.sharding.memory_kind for x in jax.tree.leaves(params))
+    return params, tokens
 
-  monkeypatch.setattr(timing, "init_params", recorded)
+  monkeypatch.setattr(timing, "_inputs", recorded)
   assert timing._fwd_bwd_s(config, timing._rest_layers("save", 1)) > 0
   assert kinds == {"device"}
+
+
+def test_on_a_cpu_and_where_the_rules_refuse_them_no_offload_setting_is_offered():
+  config = load_config(None, [])
+  offload = lambda settings: [name for name in settings if name.startswith("offload")]
+  assert offload(plan.activation_settings(config, backend="gpu"))
+  # Activation offload frees no memory on the cpu backend.
+  assert not offload(plan.activation_settings(config, backend="cpu"))
+  # The rules refuse activation offload with CUDA graphs: never calibrated nor searched.
+  graphs = load_config(None, ["model.cuda_graph_impl=local"])
+  with pytest.raises(ConfigError, match="CUDA graphs"):
+    override(graphs, plan.activation_settings(config, backend="gpu")["offload qkv, 3 layers"])
+  assert list(plan.activation_settings(graphs, backend="gpu")) == [
+      "save everything", "recompute selectively", "recompute every layer"]
+
+
+def test_without_a_device_budget_nothing_is_compiled_and_the_host_decides(monkeypatch):
+  monkeypatch.setattr(Trainer, "compile", lambda self, tokens: pytest.fail("compiled"))
+  monkeypatch.setattr(search, "host_rss_bytes", lambda: 10**9)
+  config = load_config(None, ["train.global_batch_size=4", "train.micro_batch_size=4"])
+  pick, rows = plan.plan(config, plan.Budgets(device=None, host=10**12), machine=MACHINE,
+                         calibration=CALIBRATION, log=print)
+  assert pick.verdict == "fits" and pick.fraction == 0
+  assert all(r.device_bytes is None for r in rows)
+  assert all(line.split(" | ")[6] == "-" for line in plan.table(rows, pick)[2:])
+  # The least offload is the least host memory: too little host for it, nothing fits.
+  pick, rows = plan.plan(config, plan.Budgets(device=None, host=pick.host_bytes),
+                         machine=MACHINE, calibration=CALIBRATION, log=print)
+  assert pick is None and {r.verdict for r in rows} == {"no: host"}
+
+
+def test_the_host_column_is_explained_by_what_it_counts(monkeypatch):
+  monkeypatch.setattr(search, "host_rss_bytes", lambda: 10**9)
+  logged = []
+  config = load_config(None, [])
+  pick, _ = plan.plan(config, plan.Budgets(device=None, host=10**12), explore=False,
+                      machine=MACHINE, log=logged.append)
+  assert logged[0] == search.host_column(10**9)
+  assert "this process holds now (1.0 GB)" in logged[0]
+  assert f"JAX runtime's reserve ({host_memory.size(host_memory.RUNTIME_BYTES)}" in logged[0]
+  # The column is those two and the run's own.
+  needed = host_memory.needed(resolve(config))
+  assert needed.held["JAX runtime"] == host_memory.RUNTIME_BYTES
+  assert pick.host_bytes == 10**9 + needed.total
+
+
+def test_xla_log_lines_are_kept_out_of_the_output(capfd):
+  with xla_logs.dropped():
+    os.write(2, b"E0207 18:44:44.481770 1957515 gpu_hlo_schedule.cc:815] The byte size of "
+                b"input/output arguments exceeds the base limit.\n")
+    os.write(2, b"a line of our own\n")
+    os.write(2, b"W0207 18:44:45.000001 1957516 hlo_rematerialization.cc:3204] Can't reduce "
+                b"memory use below 1GiB by rematerialization\n"
+                b"WARNING: All log messages before absl::InitializeLog() is called are written "
+                b"to STDERR\n")
+    os.write(2, b"E0207 is not a log line\nno newline")
+    assert capfd.readouterr().err == ""  # Held until the compiles are done.
+  assert capfd.readouterr().err == "a line of our own\nE0207 is not a log line\nno newline"
 
 
 @pytest.mark.slow
@@ -243,6 +331,14 @@ def test_the_planner_prints_a_command_that_trains(monkeypatch, capsys):
   assert command[:3] == ["python", "-m", "jaxoffload.train"]
   train_main(command[3:])
   assert "2 steps: loss" in capsys.readouterr().out
+
+
+def test_the_planner_explains_its_figures_under_its_header(monkeypatch, capsys):
+  monkeypatch.setattr(autoplace, "measure_machine", lambda: MACHINE)
+  plan_main(["--offload-only"])
+  header, host = capsys.readouterr().out.splitlines()[:2]
+  assert header.startswith("device budget unknown (on a CPU") and "host budget" in header
+  assert host.startswith("host: what this process holds now (") and "JAX runtime" in host
 
 
 def test_when_nothing_fits_the_planner_says_so_in_one_line(monkeypatch, capsys):
@@ -266,3 +362,13 @@ print(sorted(name for name in sys.modules if name.startswith("jaxoffload.plan"))
   done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                         timeout=120, check=True)
   assert done.stdout.split("\n")[-2] == "[]"
+
+
+def test_a_combination_the_rules_refuse_at_every_fraction_is_a_row_that_says_why():
+  # A micro-batch the global batch of 8 does not divide into.
+  ladder = fit.Ladder(load_config(None), "as configured", ["train.micro_batch_size=3"],
+                      ("device", None), MACHINE, None, 0)
+  row = ladder.least(fit.Budgets(None, 10**12))
+  assert row.verdict.startswith("refused: train.global_batch_size")
+  best, rows = fit.search([ladder], fit.Budgets(None, 10**12))
+  assert best is None and [r.verdict for r in rows] == [row.verdict]

@@ -9,16 +9,18 @@ again with bfloat16 moments, then 8-bit ones (``search.COMPACT_MOMENTS``).
 Each candidate is judged before anything is allocated:
 
 - device peak: XLA's memory analysis of the step compiled from shapes alone
-  (``Trainer.from_shapes``), against the device's memory less a headroom;
-- host bytes: the host-memory guard's arithmetic (``train.host_memory``) and
-  what this process holds, against what the machine gives less a headroom;
+  (``Trainer.from_shapes``), against the device's memory less a headroom; where that
+  memory is unknown (CPUs), nothing is compiled;
+- host bytes: the host-memory guard's arithmetic (``train.host_memory``, with the JAX
+  runtime's reserve) and what this process holds, against what the machine gives less
+  a headroom;
 - step time: predicted (``jaxoffload.train.step_time``) from a short calibration
   of this machine (``jaxoffload.plan.timing``).
 
 It prints every candidate it judged (compiled or not, and why), marks what
-fits, and picks the fastest that fits. ``optimizer.optimizer_offload_fraction=auto`` in
-the trainer runs the same search over the offload alone (``jaxoffload.train.fit``, whose
-ladders and search this one extends).
+fits, and picks the fastest that fits; XLA's own log lines are left out.
+``optimizer.optimizer_offload_fraction=auto`` in the trainer runs the same search over the
+offload alone (``jaxoffload.train.fit``, whose ladders and search this one extends).
 """
 
 from jaxoffload.plan.search import activation_settings, plan, table

@@ -27,7 +27,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     config = load_config(args.config, args.overrides)
     budgets = planner.budgets_of(config, args.device_memory)
     print("device budget "
-          + ("unknown (on a CPU, XLA counts every buffer as device memory)"
+          + ("unknown (on a CPU, XLA counts every buffer as device memory: no step is "
+             "compiled, the host budget decides)"
              if budgets.device is None else host_memory.size(budgets.device))
           + f", host budget {host_memory.size(budgets.host)}")
     best, rows = planner.plan(config, budgets, explore=not args.offload_only)

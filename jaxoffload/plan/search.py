@@ -6,11 +6,14 @@ from __future__ import annotations
 
 from typing import Optional
 
+import jax
+
 from jaxoffload import autoplace
 from jaxoffload.memory import host_rss_bytes
+from jaxoffload.plan import xla_logs
 from jaxoffload.plan.timing import calibrate
 from jaxoffload.train import fit, host_memory
-from jaxoffload.train.config import Config
+from jaxoffload.train.config import Config, ConfigError
 from jaxoffload.train.fit import Budgets, Candidate, Log
 from jaxoffload.train.loading import override
 from jaxoffload.train.rules import GRAD_SUMS_PLACES, moment_dtypes
@@ -22,11 +25,20 @@ COMPACT_MOMENTS = ("bfloat16", "int8")
 _MOMENT_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1}
 
 
-def activation_settings(config: Config) -> dict[str, list[str]]:
+def activation_settings(config: Config, backend: Optional[str] = None) -> dict[str, list[str]]:
   """The activation settings the planner tries, by name: the config's own, saving every
-  activation, recomputing the attention kernel (selective) or every layer, and offloading
-  the config's policy (with and without the weights) for every layer but the last
-  (Megatron's limit)."""
+  activation, recomputing the attention kernel (selective) or every layer, and, but on a
+  CPU, offloading the config's policy (with and without the weights) for every layer but
+  the last (Megatron's limit).
+
+  Args:
+    config: a checked config.
+    backend: the backend the run trains on; default: JAX's. On ``cpu`` an activation
+      offload frees no memory (``train.advice``): no offload setting is offered there.
+
+  Returns:
+    Each setting's overrides of ``config``, by name; none that the config's rules refuse.
+  """
   m = config.model
   off = lambda weights: ["model.cpu_offloading=True", "model.recompute_granularity=null",
                          f"model.cpu_offloading_num_layers={m.num_layers - 1}",
@@ -37,14 +49,20 @@ def activation_settings(config: Config) -> dict[str, list[str]]:
   settings["save everything"] = no_offload + ["model.recompute_granularity=null"]
   settings["recompute selectively"] = no_offload + ["model.recompute_granularity=selective"]
   settings["recompute every layer"] = no_offload + ["model.recompute_granularity=full"]
-  if m.num_layers > 1:
+  if m.num_layers > 1 and (backend or jax.default_backend()) != "cpu":
     settings[f"offload {m.cpu_offloading_policy}, {m.num_layers - 1} layers"] = off(False)
     settings[f"offload {m.cpu_offloading_policy} and weights, {m.num_layers - 1} layers"] = (
         off(True))
+  models = {}
+  for name, o in settings.items():
+    try:
+      models[name] = override(config, o).model
+    except ConfigError:  # Refused: never calibrated nor searched.
+      pass
   # The config's own setting once: under another name where one of these is the same.
-  if any(o and override(config, o).model == m for o in settings.values()):
-    del settings["as configured"]
-  return settings
+  if any(name != "as configured" and model == m for name, model in models.items()):
+    del models["as configured"]
+  return {name: settings[name] for name in models}
 
 
 def plan(config: Config, budgets: Budgets, *, explore: bool = True, compact: bool = True,
@@ -55,8 +73,9 @@ def plan(config: Config, budgets: Budgets, *, explore: bool = True, compact: boo
   Each combination of activation setting, micro-batch size and update placement
   (with the host kernel and accumulation, and where its leaves' gradients are summed)
   is a ladder of offload fractions in layer-sized steps (``train.fit.Ladder``), and
-  ``train.fit.search`` finds the fastest that fits, compiling as few as it can; where
-  nothing does, the ladders of each smaller moment storage are searched the same way.
+  ``train.fit.search`` finds the fastest that fits, compiling as few as it can (none where
+  the device's budget is unknown); where nothing does, the ladders of each smaller moment
+  storage are searched the same way. XLA's log lines meanwhile are dropped (``xla_logs``).
 
   Args:
     config: a checked config; its optimizer offload is what is planned, and with
@@ -67,6 +86,8 @@ def plan(config: Config, budgets: Budgets, *, explore: bool = True, compact: boo
       host kernel's gradient sums; else keep the config's.
     compact: where nothing fits with the config's moments, search again with each
       storage of ``COMPACT_MOMENTS`` smaller than them, until one fits.
+    log: where the line explaining the host column (``host_column``) and the
+      calibration's go.
     machine: this machine's link and host-kernel rates; default: measured now.
     calibration: the device compute's times; default: measured now when exploring.
 
@@ -75,11 +96,13 @@ def plan(config: Config, budgets: Budgets, *, explore: bool = True, compact: boo
     outcome, fastest first.
   """
   baseline = host_rss_bytes() or 0  # What a run holds before its state, as the guard counts.
+  log(host_column(baseline))
   machine = machine or autoplace.measure_machine()
   settings = activation_settings(config) if explore else {"as configured": []}
   sizes = _micro_batch_sizes(config) if explore else [config.train.micro_batch_size]
   if explore and calibration is None:
-    calibration = calibrate([override(config, o) for o in settings.values()], log=log)
+    with xla_logs.dropped():
+      calibration = calibrate([override(config, o) for o in settings.values()], log=log)
   places = fit.update_places(config, machine, keep=not explore)
 
   def sums(place, size):  # Where the host kernel's leaves' gradients may be summed.
@@ -94,11 +117,20 @@ def plan(config: Config, budgets: Budgets, *, explore: bool = True, compact: boo
                           (place, at), machine, calibration, baseline)
                for name, o in settings.items() for size in sizes for place in kept
                for at in sums(place, size)]
-    best, found = fit.search(ladders, budgets)
+    with xla_logs.dropped():
+      best, found = fit.search(ladders, budgets)
     rows += found
     if best is not None:
       break
   return best, rows
+
+
+def host_column(baseline: int) -> str:
+  """What the table's host column counts, for a process holding ``baseline`` bytes now."""
+  return (f"host: what this process holds now ({host_memory.size(baseline)}), the JAX "
+          f"runtime's reserve ({host_memory.size(host_memory.RUNTIME_BYTES)}, as the "
+          f"host-memory guard counts it) and what the run keeps in host memory (offloaded "
+          f"state and activations, XLA's pinned pool)")
 
 
 def _moment_settings(config: Config, compact: bool) -> list[list[str]]:

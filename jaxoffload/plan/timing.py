@@ -1,37 +1,51 @@
 """The calibration a step-time prediction (``jaxoffload.train.step_time``) is made from.
 
-``calibrate`` times, on this device, the forward and backward pass of 1- to 3-layer
-versions of the model at the config's micro-batch size (each activation setting once,
-the layers' time being the difference between two depths), a second timing at half the
-size (what part of the time does not shrink with it) and a large device copy (the
-bandwidth the device's AdamW is priced at).
+``calibrate`` times, on this device, the forward and backward pass of small versions of
+the model at the config's micro-batch size: with every layer saved, at 1 and 2 layers (one
+layer's time is their difference, the rest of the first the fixed part); each other
+activation setting once, at 1 layer (an offloaded one with a saved layer after it), its
+layer's time being what that adds to the fixed part (and the saved layer); the 2-layer
+model again at half the size (what part of the time does not shrink with it); and a large
+device copy (the bandwidth the device's AdamW is priced at). The timed parameters are
+filled with a constant, not initialised: their values do not change the time, and
+initialising them would compile a program per timing.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jaxoffload.params import init_params
-from jaxoffload.train import resolve
+from jaxoffload.sharding import batch_sharding
 from jaxoffload.train.config import Config
 from jaxoffload.train.grads import loss_and_grads
 from jaxoffload.train.loading import override
+from jaxoffload.train.resolve import Setup, resolve
 from jaxoffload.train.step_time import REST_MODES, Calibration, layer_modes
 
 _REPEATS = 3
 _COPY_BYTES = 256 * 2**20
+# A typical initial weight's size: the timed parameters' every element.
+_FILL = 0.02
 
 
 def calibrate(configs: list[Config], *, log: Callable[[str], None] = print) -> Calibration:
   """Times the forward and backward pass of small versions of ``configs``' model (each
   activation setting they use, once) and a device copy.
 
-  The configs share the model's shape and micro-batch size; the first names both.
+  Args:
+    configs: the settings to calibrate, sharing the model's shape and micro-batch size;
+      the first names both.
+    log: where the line of what was measured goes.
+
+  Returns:
+    The ``Calibration``: the saved layers' time from two depths, every other setting's
+    from one depth less the fixed part (and, offloaded, the saved layer after it).
   """
   base = configs[0]
   save_one, save_two = (_fwd_bwd_s(base, _rest_layers("save", n)) for n in (1, 2))
@@ -40,10 +54,9 @@ def calibrate(configs: list[Config], *, log: Callable[[str], None] = print) -> C
   for config in configs:
     for mode in layer_modes(config):
       if mode not in layer_s:
-        layers = ((lambda n: _rest_layers(mode, n)) if mode in REST_MODES.values()
-                  else _offloaded_layers)
-        one, two = (_fwd_bwd_s(config, layers(n)) for n in (1, 2))
-        layer_s[mode] = max(two - one, 0.0)
+        rest = mode in REST_MODES.values()
+        one = _fwd_bwd_s(config, _rest_layers(mode, 1) if rest else _OFFLOADED_LAYER)
+        layer_s[mode] = max(one - fixed_s - (0.0 if rest else layer_s["save"]), 0.0)
   size = base.train.micro_batch_size
   overhead = 0.0
   if size > 1:  # Time = a + b x size, from the two-layer model at half the size.
@@ -64,11 +77,10 @@ def _rest_layers(mode: str, n: int) -> list[str]:
           f"model.recompute_granularity={granularity or 'null'}"]
 
 
-def _offloaded_layers(n: int) -> list[str]:
-  """Overrides for ``n`` layers offloaded as the config says, and one saved layer after them
-  (Megatron's rule: at most num_layers - 1 offloaded)."""
-  return [f"model.num_layers={n + 1}", f"model.cpu_offloading_num_layers={n}",
-          "model.recompute_granularity=null"]
+# One layer offloaded as the config says, and a saved layer after it (Megatron's rule: at
+# most num_layers - 1 offloaded).
+_OFFLOADED_LAYER = ["model.num_layers=2", "model.cpu_offloading_num_layers=1",
+                    "model.recompute_granularity=null"]
 
 
 def _fwd_bwd_s(config: Config, overrides: list[str]) -> float:
@@ -82,10 +94,23 @@ def _fwd_bwd_s(config: Config, overrides: list[str]) -> float:
       "optimizer.optimizer_cpu_offload=False", "optimizer.optimizer_offload_fraction=0.0"])
   small = override(small, [f"train.global_batch_size={small.train.micro_batch_size}"])
   setup = resolve(small)
-  tokens = setup.global_batch(0)
-  params = init_params(setup.llama, jax.random.PRNGKey(0), tokens[:, :2], setup.param_shardings)
+  params, tokens = _inputs(setup)
   step = jax.jit(lambda p, x: loss_and_grads(setup.llama, p, x))
   return _median_s(lambda: jax.block_until_ready(step(params, tokens)))
+
+
+def _inputs(setup: Setup) -> tuple[Any, jax.Array]:
+  """``setup``'s parameters, every element ``_FILL``, and a micro-batch of tokens counting up,
+  placed as its run places them. Built on the host: their values do not change the time,
+  and initialising or drawing them would compile programs of their own."""
+  placed = lambda values, sharding: jax.make_array_from_callback(
+      values.shape, sharding, lambda index: values[index])
+  params = jax.tree.map(
+      lambda x, s: placed(np.broadcast_to(np.asarray(_FILL, x.dtype), x.shape), s),
+      setup.param_shapes, setup.param_shardings)
+  m, size = setup.config.model, setup.config.train.micro_batch_size
+  tokens = np.arange(size * m.seq_length, dtype=np.int32).reshape(size, -1) % m.vocab_size
+  return params, placed(tokens, batch_sharding(setup.mesh))
 
 
 def _device_bandwidth() -> float:

@@ -21,7 +21,6 @@ from jaxoffload.train import host_memory
 from jaxoffload.train.config import Config, ConfigError
 from jaxoffload.train.loading import override
 from jaxoffload.train.resolve import Setup, resolve
-from jaxoffload.train.rules import moment_dtypes
 from jaxoffload.train.step import Trainer, resident_device_bytes
 from jaxoffload.train.step_time import Calibration, predict_s
 
@@ -117,10 +116,10 @@ def fastest_offload(config: Config, log: Log = print) -> Config:
                       "activations (model.cpu_offloading_num_layers), recompute them "
                       "(model.recompute_granularity=full) or lower train.micro_batch_size")
   if best is not None:
+    peak = "-" if best.device_bytes is None else host_memory.size(best.device_bytes)
     log(f"optimizer_offload_fraction=auto chose {best.fraction:.2f} on {best.update_on} "
-        f"(achieved {best.achieved:.2f}; device peak "
-        f"{host_memory.size(best.device_bytes or 0)}, host {host_memory.size(best.host_bytes)}; "
-        f"predicted +{best.step_s * 1e3:,.1f} ms a step)")
+        f"(achieved {best.achieved:.2f}; device peak {peak}, host "
+        f"{host_memory.size(best.host_bytes)}; predicted +{best.step_s * 1e3:,.1f} ms a step)")
   return override(config, overrides)
 
 
@@ -153,7 +152,7 @@ def search(ladders: list[Ladder], budgets: Budgets) -> tuple[Optional[Candidate]
   step time from below; ladders are tried fastest bound first, until the pick is faster
   than every bound left. A ladder is compiled at its most offload (if that does not fit,
   neither does a larger micro-batch of its activation setting), then at its least, then
-  bisected.
+  bisected; where the device's budget is unknown, not at all.
   """
   rows = {n: ladder.least(budgets) for n, ladder in enumerate(ladders)}
   device_bytes = {}  # Per setting's overrides, its compiled step's device peak.
@@ -195,6 +194,7 @@ class Ladder:
     self.steps = config.model.num_layers
     self._setups: dict[int, Optional[tuple[Setup, Candidate]]] = {}
     self._least: Optional[int] = None
+    self._refusal = ""  # Why the config's rules refused a step, the last one they did.
 
   def judge(self, step: int) -> Optional[tuple[Setup, Candidate]]:
     """Step ``step``'s setup and candidate (not compiled); None where a rule refuses it."""
@@ -203,11 +203,11 @@ class Ladder:
       overrides = self.base + offload_overrides(fraction, *self.place)
       try:
         setup = resolve(override(self.config, overrides))
-      except ConfigError:
-        self._setups[step] = None
+      except ConfigError as error:
+        self._setups[step], self._refusal = None, str(error)
         return None
       grad_sums = "host" if setup.sums_on_host else "device" if setup.micro_batches > 1 else "-"
-      moments = "/".join(dict.fromkeys(moment_dtypes(setup.config)))
+      moments = "/".join(dict.fromkeys(setup.moment_dtypes))
       self._setups[step] = setup, Candidate(
           self.name, setup.config.train.micro_batch_size, fraction,
           self.place[0] if fraction else "-", grad_sums, moments,
@@ -225,6 +225,10 @@ class Ladder:
     self._least = _first(0, self.steps, resident_fits)
     if self._least is None:
       last = self.judge(self.steps) or self.judge(0)
+      if last is None:  # Every step refused: a row that says why, never compiled.
+        return Candidate(self.name, self.config.train.micro_batch_size, 0.0, self.place[0],
+                         "-", "-", 0.0, None, 0, math.inf, tuple(self.base),
+                         f"refused: {self._refusal}")
       return dataclasses.replace(last[1], verdict="no: device (its state alone)")
     candidate = self.judge(self._least)[1]
     return candidate if budgets.fits_host(candidate) else dataclasses.replace(
@@ -233,7 +237,12 @@ class Ladder:
   def smallest_fitting(self, budgets: Budgets, device_bytes: dict) -> Candidate:
     """The least offload whose compiled step fits the device, and whether it fits the host;
     or the most offloaded one tried, which does not fit the device. ``device_bytes`` holds
-    the device peaks compiled so far, by overrides, and gets this ladder's."""
+    the device peaks compiled so far, by overrides, and gets this ladder's. Where the
+    device's budget is unknown (CPUs) nothing is compiled: the host's decides."""
+    if budgets.device is None:  # No budget to judge a peak against: the least offload wins.
+      candidate = self.judge(self._least)[1]
+      return dataclasses.replace(candidate, verdict="fits" if budgets.fits_host(candidate)
+                                 else "no: host")
     compiled = {}
 
     def fits(step):

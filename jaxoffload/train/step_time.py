@@ -6,7 +6,7 @@ A step is predicted to take the sum of:
   (embedding, head, loss) and each layer's time under its activation setting
   (saved, recomputed in part or in full, offloaded, weights offloaded), as a
   ``Calibration`` of this machine measured them (the planner's
-  ``jaxoffload.plan.timing.calibrate`` times 1- to 3-layer versions of the model
+  ``jaxoffload.plan.timing.calibrate`` times 1- and 2-layer versions of the model
   at the config's micro-batch size), and scaled to another micro-batch size by a
   line through a second timing at half the size (a part of the time does not
   shrink with it);
