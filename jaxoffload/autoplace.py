@@ -25,20 +25,36 @@ import dataclasses
 import functools
 import importlib.util
 import time
+from typing import NamedTuple
 
 import jax
+import ml_dtypes
 import numpy as np
 
 from jaxoffload._compat import DEVICE_KIND, PINNED_HOST
 
 _PROBE_BYTES = 256 * 2**20
 _PROBE_ELEMENTS = 32 * 2**20
+_PROBE_ROW = 4096  # Elements of a row: 8-bit moments keep a scale per block of one.
 # On the cpu backend the device's memory is the host's, and what is planned there is small:
 # probes this many times smaller, still far past the caches, measure the same rates sooner.
 _CPU_PROBE_DIVISOR = 8
 _REPEATS = 3
 # Predictions this close are a tie: within the predictions' own error.
 TIE = 0.1
+
+
+class KernelFormats(NamedTuple):
+  """How a run stores what the host kernel updates (``host_kernels``' names): what its
+  update is timed on, the kernel's rate depending on it."""
+
+  grads: str = "float32"  # Or bfloat16, as the gradients travel.
+  weights: str = "float32"  # host_kernels.WEIGHTS
+  mu: str = "float32"  # host_kernels.MOMENTS
+  nu: str = "float32"
+
+  def __str__(self) -> str:
+    return f"{self.grads} gradients, {self.weights} weights, {self.mu}/{self.nu} moments"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +66,7 @@ class Machine:
   kernel_rate: float | None  # Host-kernel parameter elements per second; None without numba.
   kernel_threads: int | None
   sum_rate: float | None = None  # Gradient elements the host adds into its sums per second.
+  formats: KernelFormats = KernelFormats()  # What kernel_rate was timed on.
 
   def __str__(self) -> str:
     link = (f"copies {self.host_to_device / 1e9:.1f} GB/s to the device, "
@@ -57,7 +74,7 @@ class Machine:
     if self.kernel_rate is None:
       return link + "; no host kernel (numba is not installed)"
     return (link + f"; host kernel {self.kernel_rate / 1e9:.2f} G params/s on "
-            f"{self.kernel_threads} threads")
+            f"{self.kernel_threads} threads ({self.formats})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,16 +105,18 @@ def _best_seconds(fn) -> float:
   return min(times)
 
 
-def measure_machine(device: jax.Device | None = None) -> Machine:
+def measure_machine(device: jax.Device | None = None,
+                    formats: KernelFormats = KernelFormats()) -> Machine:
   """Times a 256 MiB copy each way between ``device`` (default: the first local one) and its
-  pinned host memory, and the host kernel's update and gradient sum on 32 M elements (best
-  of three each; an eighth of each on the cpu backend); once per device in a process, whose
-  later calls get the same figures."""
-  return _measure(device or jax.local_devices()[0])
+  pinned host memory, and the host kernel's update (on arrays stored as ``formats`` says)
+  and gradient sum on 32 M elements (best of three each; an eighth of each on the cpu
+  backend); once per device and formats in a process, whose later calls get the same
+  figures."""
+  return _measure(device or jax.local_devices()[0], formats)
 
 
 @functools.cache
-def _measure(device: jax.Device) -> Machine:
+def _measure(device: jax.Device, formats: KernelFormats) -> Machine:
   divisor = _CPU_PROBE_DIVISOR if device.platform == "cpu" else 1
   probe_bytes, probe_elements = _PROBE_BYTES // divisor, _PROBE_ELEMENTS // divisor
   on = lambda kind: jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
@@ -116,14 +135,37 @@ def _measure(device: jax.Device) -> Machine:
     return Machine(host_to_device, device_to_host, None, None)
   from jaxoffload import host_adam
 
-  # Filled, not zeros: untouched zero pages are all one page, which the kernel
-  # reads from cache, far faster than it reads a training step's gradients.
-  weights, grads, mu, nu = (np.full(probe_elements, 0.5, np.float32) for _ in range(4))
-  update = lambda: host_adam.adamw_update(weights, grads, mu, nu, learning_rate=0.0, count=1)
+  *arrays, remainder = _kernel_arrays((probe_elements // _PROBE_ROW, _PROBE_ROW), formats)
+  update = lambda: host_adam.adamw_update(*arrays, learning_rate=0.0, count=1,
+                                          remainder=remainder)
   rate = probe_elements / _best_seconds(update)
-  add = lambda: host_adam.accumulate(weights, grads, square_sum=True)
+  total = np.full(arrays[1].shape, 0.5, np.float32)
+  add = lambda: host_adam.accumulate(total, arrays[1], square_sum=True)
   return Machine(host_to_device, device_to_host, rate, host_adam.max_threads(),
-                 probe_elements / _best_seconds(add))
+                 probe_elements / _best_seconds(add), formats)
+
+
+def _kernel_arrays(shape: tuple[int, int], formats: KernelFormats) -> tuple:
+  """``host_adam.adamw_update``'s weights, gradients, moments and remainder, stored as
+  ``formats`` says. Filled, not zeros: untouched zero pages are all one page, which the
+  kernel reads from cache, far faster than it reads a training step's gradients."""
+  from jaxoffload import host_adam
+
+  filled = lambda dtype: np.full(shape, 0.5, dtype)
+  bf16 = ml_dtypes.bfloat16
+  grads = filled(bf16 if formats.grads == "bfloat16" else np.float32)
+  weights = filled(np.float32 if formats.weights == "float32" else bf16)
+  remainder = np.full(shape, 0x1234, np.uint16) if formats.weights == "split" else None
+
+  def moment(dtype: str, signed: bool):
+    if dtype == "int8":
+      coded = host_adam.CodedMoment.zeros(shape, signed=signed)
+      coded.codes.fill(3)
+      coded.scales.fill(0.5)
+      return coded
+    return filled(bf16 if dtype == "bfloat16" else np.float32)
+
+  return weights, grads, moment(formats.mu, True), moment(formats.nu, False), remainder
 
 
 def choose(machine: Machine, *, offloaded_elements: int, moment_bytes_per_element: int,

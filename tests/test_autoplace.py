@@ -125,12 +125,16 @@ def test_without_the_host_kernel_only_the_device_is_priced(machine, host_kernel)
 
 
 @pytest.mark.slow
-def test_measured_rates_are_finite_and_positive():
-  machine = autoplace.measure_machine()
+@pytest.mark.parametrize("formats", [
+    autoplace.KernelFormats(), autoplace.KernelFormats("bfloat16", "split", "int8", "int8"),
+    autoplace.KernelFormats("bfloat16", "bfloat16", "bfloat16", "float32")])
+def test_measured_rates_are_finite_and_positive(formats):
+  machine = autoplace.measure_machine(formats=formats)
   for rate in (machine.host_to_device, machine.device_to_host, machine.kernel_rate):
     assert math.isfinite(rate) and rate > 0
-  assert machine.kernel_threads >= 1
-  assert re.search(r"host kernel [\d.]+ G params/s on \d+ threads", str(machine))
+  assert machine.kernel_threads >= 1 and machine.formats == formats
+  assert re.search(rf"host kernel [\d.]+ G params/s on \d+ threads \({re.escape(str(formats))}\)",
+                   str(machine))
 
 
 @pytest.mark.slow
@@ -159,7 +163,9 @@ STREAM_CHEAPER = autoplace.Machine(host_to_device=1e12, device_to_host=1e12, ker
     (KERNEL_CHEAPER, "host_kernel", "bfloat16"), (STREAM_CHEAPER, "device", "float32")])
 def test_by_default_the_placement_and_transfer_dtype_are_this_machines_fastest(
     monkeypatch, machine, place, wire):
-  monkeypatch.setattr(autoplace, "measure_machine", lambda: machine)
+  probed = []
+  monkeypatch.setattr(autoplace, "measure_machine",
+                      lambda formats: probed.append(formats) or machine)
   config = load_config(None, ["optimizer.optimizer_cpu_offload=True",
                               "optimizer.optimizer_offload_fraction=1.0", "model.dtype=bfloat16"])
   assert (config.optimizer.optimizer_offload_update_on,
@@ -168,8 +174,11 @@ def test_by_default_the_placement_and_transfer_dtype_are_this_machines_fastest(
   o = setup.config.optimizer
   assert (o.optimizer_offload_update_on, o.offload_transfer_dtype) == (place, wire)
   assert [line.split()[2] for line in setup.choices] == [f"{place}:"]
+  # The kernel timed on what the run's host kernel would update: bfloat16 gradients, split
+  # float32 masters, float32 moments.
+  assert probed == [autoplace.KernelFormats("bfloat16", "split", "float32", "float32")]
   # Without offload there is nothing to choose, and nothing measured.
-  monkeypatch.setattr(autoplace, "measure_machine", lambda: pytest.fail("measured"))
+  monkeypatch.setattr(autoplace, "measure_machine", lambda **_: pytest.fail("measured"))
   plain = resolve(load_config(None, ["model.dtype=bfloat16"]))
   assert plain.choices == () and not plain.host_kernel
 

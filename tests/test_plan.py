@@ -179,7 +179,7 @@ def test_auto_offload_trains_with_the_least_fraction_that_fits(compiled_as_resid
       "optimizer.optimizer_cpu_offload=False"]))))
   budgets = plan.Budgets(device=int((state * 0.6 + TEMPORARIES) / 0.95), host=10**12)
   monkeypatch.setattr(fit, "budgets_of", lambda config, device_memory=None: budgets)
-  monkeypatch.setattr(autoplace, "measure_machine", lambda: MACHINE)
+  monkeypatch.setattr(autoplace, "measure_machine", lambda **_: MACHINE)
   logged = []
   losses = train(load_config(None, overrides), log=logged.append)
   chose, = [line for line in logged if line.startswith("optimizer_offload_fraction=auto chose")]
@@ -320,7 +320,7 @@ def test_xla_log_lines_are_kept_out_of_the_output(capfd):
 
 @pytest.mark.slow
 def test_the_planner_prints_a_command_that_trains(monkeypatch, capsys):
-  monkeypatch.setattr(autoplace, "measure_machine", lambda: MACHINE)
+  monkeypatch.setattr(autoplace, "measure_machine", lambda **_: MACHINE)
   monkeypatch.setattr(timing, "calibrate", lambda configs, log: CALIBRATION)
   monkeypatch.setattr(search, "calibrate", lambda configs, log: CALIBRATION)
   plan_main(["train.train_iters=2"])
@@ -334,7 +334,7 @@ def test_the_planner_prints_a_command_that_trains(monkeypatch, capsys):
 
 
 def test_the_planner_explains_its_figures_under_its_header(monkeypatch, capsys):
-  monkeypatch.setattr(autoplace, "measure_machine", lambda: MACHINE)
+  monkeypatch.setattr(autoplace, "measure_machine", lambda **_: MACHINE)
   plan_main(["--offload-only"])
   header, host = capsys.readouterr().out.splitlines()[:2]
   assert header.startswith("device budget unknown (on a CPU") and "host budget" in header
@@ -342,7 +342,7 @@ def test_the_planner_explains_its_figures_under_its_header(monkeypatch, capsys):
 
 
 def test_when_nothing_fits_the_planner_says_so_in_one_line(monkeypatch, capsys):
-  monkeypatch.setattr(autoplace, "measure_machine", lambda: MACHINE)
+  monkeypatch.setattr(autoplace, "measure_machine", lambda **_: MACHINE)
   with pytest.raises(SystemExit) as stop:
     plan_main(["--offload-only", "train.host_memory_limit=1MB"])
   assert stop.value.code == 2

@@ -17,6 +17,7 @@ from jaxoffload.train.config import Config, ConfigError
 from jaxoffload.train.fit import Budgets, Candidate, Log
 from jaxoffload.train.loading import override
 from jaxoffload.train.rules import GRAD_SUMS_PLACES, moment_dtypes
+from jaxoffload.train.update_place import kernel_formats
 from jaxoffload.train.step_time import Calibration
 
 # Adam's moments in the storages the planner falls back to, smallest last, where the
@@ -97,7 +98,7 @@ def plan(config: Config, budgets: Budgets, *, explore: bool = True, compact: boo
   """
   baseline = host_rss_bytes() or 0  # What a run holds before its state, as the guard counts.
   log(host_column(baseline))
-  machine = machine or autoplace.measure_machine()
+  machine = machine or autoplace.measure_machine(formats=kernel_formats(config))
   settings = activation_settings(config) if explore else {"as configured": []}
   sizes = _micro_batch_sizes(config) if explore else [config.train.micro_batch_size]
   if explore and calibration is None:

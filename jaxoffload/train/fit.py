@@ -23,6 +23,7 @@ from jaxoffload.train.loading import override
 from jaxoffload.train.resolve import Setup, resolve
 from jaxoffload.train.step import Trainer, resident_device_bytes
 from jaxoffload.train.step_time import Calibration, predict_s
+from jaxoffload.train.update_place import kernel_formats
 
 DEVICE_HEADROOM = 0.05  # XLA's estimate leaves out fragmentation and the runtime's own use.
 HOST_HEADROOM = 0.10  # The guard's arithmetic leaves out allocator growth it cannot see.
@@ -130,7 +131,7 @@ def least_offload(config: Config, budgets: Budgets, machine: Optional[autoplace.
   them; and each placement's outcome, fastest first. ``machine``: this machine's link and
   host-kernel rates; default: measured now."""
   baseline = host_rss_bytes() or 0  # What a run holds before its state, as the guard counts.
-  machine = machine or autoplace.measure_machine()
+  machine = machine or autoplace.measure_machine(formats=kernel_formats(config))
   size = [f"train.micro_batch_size={config.train.micro_batch_size}"]
   return search([Ladder(config, "as configured", size, (place, None), machine, None, baseline)
                  for place in update_places(config, machine, keep=True)], budgets)

@@ -85,6 +85,17 @@ def transfer_dtype(config: Config, place: str) -> str:
   return "bfloat16" if place == "host_kernel" and config.model.dtype == "bfloat16" else "float32"
 
 
+def kernel_formats(config: Config) -> autoplace.KernelFormats:
+  """How the host kernel would store ``config``'s leaves: gradients as they travel, float32
+  masters split where the device reads them in bfloat16 (``store_param_remainders``), and
+  the moments' dtypes."""
+  wire = transfer_dtype(config, "host_kernel")
+  split = wire == "bfloat16" and config.optimizer.store_param_remainders
+  weights = ("bfloat16" if config.model.params_dtype == "bfloat16" else
+             "split" if split else "float32")
+  return autoplace.KernelFormats(wire, weights, *rules.moment_dtypes(config))
+
+
 def settled(config: Config, place: str) -> Config:
   """``config`` updating its offloaded state on ``place``, its transfer dtype decided."""
   return dataclasses.replace(config, optimizer=dataclasses.replace(
@@ -116,7 +127,8 @@ def resolve_update_place(config: Config, offload: Optional[OffloadPlan]
   places = candidate_places(config)
   if len(places) == 1:
     return settled(config, places[0]), None
-  choice = price_updates(config, offload, autoplace.measure_machine(),
+  choice = price_updates(config, offload,
+                         autoplace.measure_machine(formats=kernel_formats(config)),
                          host_kernel="host_kernel" in places)
   if jax.process_count() > 1:
     # Every process must build the same program: process 0's choice holds.
