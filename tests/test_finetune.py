@@ -24,7 +24,7 @@ FINE_TUNE = [f"model.hf_checkpoint={CHECKPOINT}", "data.dataset=text", "model.se
 
 
 @pytest.mark.parametrize("offload", [
-    pytest.param([], id="no-offload"),
+    pytest.param([], marks=pytest.mark.slow, id="no-offload"),
     pytest.param(["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=1.0",
                   "optimizer.optimizer_offload_update_on=host_kernel", "model.cpu_offloading=True",
                   "model.cpu_offloading_num_layers=1", "model.cpu_offloading_weights=True"],

@@ -143,7 +143,8 @@ SLOW = pytest.mark.slow
     pytest.param(["model.cpu_offloading=True", "model.cpu_offloading_num_layers=3",
                   "model.cpu_offloading_weights=True", *HOST_KERNEL[:1],
                   "optimizer.optimizer_offload_fraction=1.0", *HOST_KERNEL[2:],
-                  "train.micro_batch_size=4"], id="host-kernel-weights-activations-accumulation"),
+                  "train.micro_batch_size=4"], marks=SLOW,
+                 id="host-kernel-weights-activations-accumulation"),
 ])
 def test_losses_equal_the_baseline(overrides, baseline_losses):
   losses = train(load_config(None, [f"train.train_iters={STEPS}", *overrides]), log=QUIET)
@@ -465,10 +466,11 @@ def test_combinations_that_run_slower_are_warned_about(overrides, backend, warne
 
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (the CPU backend has them in CI)")
 @pytest.mark.parametrize("overrides", [
-    ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5",
-     "optimizer.optimizer_offload_update_on=device", "model.cpu_offloading=True",
-     "model.cpu_offloading_num_layers=1", "model.cpu_offloading_activations=False",
-     "model.cpu_offloading_weights=True"],
+    pytest.param(["optimizer.optimizer_cpu_offload=True",
+                  "optimizer.optimizer_offload_fraction=0.5",
+                  "optimizer.optimizer_offload_update_on=device", "model.cpu_offloading=True",
+                  "model.cpu_offloading_num_layers=1", "model.cpu_offloading_activations=False",
+                  "model.cpu_offloading_weights=True"], marks=pytest.mark.slow),
     pytest.param(HOST_KERNEL + ["model.dtype=bfloat16",
                                 "optimizer.offload_transfer_dtype=bfloat16"],
                  marks=pytest.mark.slow),
