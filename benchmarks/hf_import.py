@@ -97,9 +97,10 @@ def fine_tune(directory: str, config_path: str, overrides: list[str], export_dir
   import jaxoffload
   from jaxoffload import hf
   from jaxoffload.memory import host_rss_bytes, peak_host_rss_bytes
-  from jaxoffload.train import host_memory, load_config, resolve, Trainer, weights
+  from jaxoffload.train import host_memory, launch, load_config, resolve, Trainer, weights
 
   config = load_config(config_path, [f"model.hf_checkpoint={directory}", *overrides])
+  launch.size_pinned_pool(config)  # As the trainer's command does, before JAX starts.
   setup = resolve(config)
   predicted_rss = host_rss_bytes() + host_memory.check(setup).total
   stage(f"resolved; the guard predicts a peak of {predicted_rss / 2**30:.1f} GiB before export")
