@@ -42,13 +42,14 @@ class RssSampler:
 def measure(config_path: str | None, overrides: list[str]) -> dict:
   """Each phase's peak RSS, and the guard's prediction, for one run."""
   from jaxoffload.memory import host_rss_bytes
-  from jaxoffload.train import host_memory, load_config, resolve, step
+  from jaxoffload.train import host_memory, launch, load_config, resolve, step
   from jaxoffload.train.loop import run
 
   sampler, phases = RssSampler(host_rss_bytes), []
   mark = lambda name: phases.append({"phase": name, "peak_rss_bytes": sampler.take()})
   config = load_config(config_path, ["train.train_iters=3", "checkpoint.dir=null",
                                      "logging.progress_bar=False", *overrides])
+  launch.size_pinned_pool(config)  # As the trainer's command does, before JAX starts.
   need = host_memory.needed(resolve(config))
   mark("resolve the config, start JAX")
   # The trainer's phases, as it calls them.

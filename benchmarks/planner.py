@@ -43,7 +43,9 @@ def train_child(config_path: str, overrides: list[str], device_memory: int | Non
   from jaxoffload.train import launch, load_config, run
 
   config = load_config(config_path, overrides + ["logging.progress_bar=False"])
-  launch.set_xla_flags(config)  # Before JAX starts its backends, as the trainer's command does.
+  # Before JAX starts its backends, as the trainer's command does.
+  launch.set_xla_flags(config)
+  launch.size_pinned_pool(config)
   result = run(config, log=lambda line: print(line, file=sys.stderr))
   times = [r.step_s for r in result.records]
   return {"step_s": times, "median_step_s": statistics.median(times[1:] or times),
