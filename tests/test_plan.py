@@ -372,3 +372,31 @@ def test_a_combination_the_rules_refuse_at_every_fraction_is_a_row_that_says_why
   assert row.verdict.startswith("refused: train.global_batch_size")
   best, rows = fit.search([ladder], fit.Budgets(None, 10**12))
   assert best is None and [r.verdict for r in rows] == [row.verdict]
+
+
+@pytest.mark.parametrize("grows", [False, True], ids=["as-predicted", "mispredicted"])
+def test_a_ladder_compiles_its_most_offload_then_where_that_peak_predicts_a_fit(monkeypatch,
+                                                                                grows):
+  # Temporaries fixed (the prediction holds), or growing with what the device holds.
+  peak = lambda resident: resident + TEMPORARIES + (resident if grows else 0)
+  compiles = []
+
+  def compile(self, tokens):
+    compiles.append(resident_device_bytes(self))
+    return CompiledStep((), peak(compiles[-1]), 0)
+
+  monkeypatch.setattr(Trainer, "compile", compile)
+  config = load_config(None, ["train.global_batch_size=4", "train.micro_batch_size=4",
+                              "model.num_layers=8"])
+  ladder = fit.Ladder(config, "as configured", [], ("device", None), MACHINE, None, 0)
+  budgets = fit.Budgets(device=int(peak(ladder.resident_bytes(0) * 0.6) / 0.95), host=10**12)
+  assert ladder.least(budgets).verdict == ""
+  row = ladder.smallest_fitting(budgets, {})
+  least = next(step for step in range(9)
+               if peak(ladder.resident_bytes(step)) <= 0.95 * budgets.device)
+  assert 0 < least < 8 and row.verdict == "fits" and row.fraction == least / 8
+  # The most offload, the predicted least and the step below it; where the prediction was
+  # wrong (its guess does not fit), a bisection above it.
+  guess_fits = peak(compiles[1]) <= 0.95 * budgets.device
+  assert guess_fits != grows
+  assert len(compiles) == 3 if not grows else 3 <= len(compiles) <= 2 + 4

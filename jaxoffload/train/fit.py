@@ -196,6 +196,7 @@ class Ladder:
     self._setups: dict[int, Optional[tuple[Setup, Candidate]]] = {}
     self._least: Optional[int] = None
     self._refusal = ""  # Why the config's rules refused a step, the last one they did.
+    self._resident: dict[int, int] = {}
 
   def judge(self, step: int) -> Optional[tuple[Setup, Candidate]]:
     """Step ``step``'s setup and candidate (not compiled); None where a rule refuses it."""
@@ -221,8 +222,8 @@ class Ladder:
     """The least offload whose state alone fits both budgets, found without compiling (its
     verdict empty); or, with its verdict, why none does."""
     resident_fits = lambda step: self.judge(step) is not None and (
-        budgets.device is None or resident_device_bytes(Trainer.from_shapes(
-            self.judge(step)[0])) <= (1 - DEVICE_HEADROOM) * budgets.device)
+        budgets.device is None
+        or self.resident_bytes(step) <= (1 - DEVICE_HEADROOM) * budgets.device)
     self._least = _first(0, self.steps, resident_fits)
     if self._least is None:
       last = self.judge(self.steps) or self.judge(0)
@@ -257,13 +258,30 @@ class Ladder:
                                            device_bytes=device_bytes[candidate.overrides])
       return budgets.fits_device(compiled[step])
 
-    # The most offload first: where it does not fit, nothing does. Then the least: where it
-    # fits, no bisection is needed.
+    # The most offload first: where it does not fit, nothing does. Its peak less its
+    # resident state (activations, gradients, temporaries), with another fraction's resident
+    # state, predicts that fraction's peak: the least that fits by the prediction is
+    # compiled next, then the step below it, and only a wrong prediction bisects.
     if not fits(self.steps):
       return dataclasses.replace(compiled[self.steps], verdict="no: device")
-    step = self._least if fits(self._least) else _first(self._least + 1, self.steps, fits)
+    others = compiled[self.steps].device_bytes - self.resident_bytes(self.steps)
+    predicted = lambda step: budgets.fits_device(dataclasses.replace(
+        self.judge(step)[1], device_bytes=others + self.resident_bytes(step)))
+    guess = _first(self._least, self.steps, predicted)
+    if not fits(guess):
+      step = _first(guess + 1, self.steps, fits)
+    elif guess > self._least and fits(guess - 1):
+      step = _first(self._least, guess - 1, fits)
+    else:
+      step = guess
     return dataclasses.replace(compiled[step], verdict="fits" if budgets.fits_host(
         compiled[step]) else "no: host")
+
+  def resident_bytes(self, step: int) -> int:
+    """The device bytes step ``step``'s parameters and optimizer state hold between steps."""
+    if step not in self._resident:
+      self._resident[step] = resident_device_bytes(Trainer.from_shapes(self.judge(step)[0]))
+    return self._resident[step]
 
 
 def _first(low: int, high: int, holds: Callable[[int], bool]) -> Optional[int]:
