@@ -24,6 +24,8 @@ STEPS = 5
 QUIET = lambda _: None
 HOST_KERNEL = ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5",
                "optimizer.optimizer_offload_update_on=host_kernel"]
+MOVED = ["model.cpu_offloading=True", "model.cpu_offloading_num_layers=2",
+         "model.cpu_offloading_double_buffering=True"]
 
 
 def run_cli(*args):
@@ -94,6 +96,12 @@ SLOW = pytest.mark.slow
                  id="optimizer-device-overlap"),
     pytest.param(["model.cpu_offloading=True", "model.cpu_offloading_num_layers=2"], marks=SLOW,
                  id="activations"),
+    # The trainer moving them, a program per layer; with micro-batches; beside the host kernel.
+    pytest.param(MOVED, id="activations-moved"),
+    pytest.param([*MOVED, "train.micro_batch_size=4"], marks=SLOW,
+                 id="activations-moved-accumulation"),
+    pytest.param([*MOVED, *HOST_KERNEL, "mesh.fsdp=2", "mesh.tensor=2"], marks=SLOW,
+                 id="activations-moved-host-kernel-sharded"),
     pytest.param(["model.cpu_offloading=True", "model.cpu_offloading_num_layers=3",
                   "model.cpu_offloading_weights=True", "optimizer.optimizer_cpu_offload=True",
                   "optimizer.optimizer_offload_fraction=1.0",
@@ -622,3 +630,37 @@ def test_an_unclipped_overlapped_step_sends_no_gradient_ahead_of_the_hosts_updat
   # Waiting changes no number.
   monkeypatch.setattr(held_update.HeldUpdate, "wait_for_room", lambda self, limit: None)
   assert train(config, log=QUIET) == waited
+
+
+@SLOW
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (the CPU backend has them in CI)")
+def test_moved_activations_leave_for_pinned_host_and_return_a_layer_ahead(monkeypatch):
+  from jaxoffload.train import overlap
+  original, moves = overlap._placed, []
+
+  def recorded(kept, memory_kind):  # Per call: from where, to where.
+    moves.append(({x.sharding.memory_kind for x in kept}, memory_kind))
+    return original(kept, memory_kind)
+
+  monkeypatch.setattr(overlap, "_placed", recorded)
+  mesh = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
+  params = {}
+  for moved in (False, True):
+    setup = resolve(load_config(None, [*MOVED[:2], *mesh,
+                                       f"model.cpu_offloading_double_buffering={moved}"]))
+    assert setup.runs_per_layer == moved
+    trainer = Trainer(setup)
+    for i in range(2):
+      trainer.step(setup.global_batch(i))
+    params[moved] = jax.tree.leaves(trainer.params)
+  # The same float32 steps as XLA's offload inside one program.
+  assert max_rel_diff(params[True], params[False]) <= 1e-6
+  # Per step, layers 0 and 1 leave after their forward programs; going backward, each comes
+  # back while the layer above it is popped for its backward program: a layer ahead.
+  device, host = {"device"}, {"pinned_host"}
+  step = [(device, "pinned_host"), (device, "pinned_host"),
+          (device, "device"),  # Layer 3, kept on the device.
+          (device, "device"), (host, "device"),  # Layer 2; layer 1 starts back.
+          (device, "device"), (host, "device"),  # Layer 1, back already; layer 0 starts back.
+          (device, "device")]  # Layer 0.
+  assert moves == 2 * step

@@ -38,6 +38,8 @@ def default_settings(num_layers: int, bfloat16_compute: bool) -> dict[str, list[
         optimizer(f, "device") + ["optimizer.overlap_cpu_optimizer_d2h_h2d=True"])
   for n in sorted({max(num_layers // 2, 1), num_layers - 1}):
     settings[f"activations {n} layers"] = activations(n)
+    settings[f"activations {n} layers, moved by the trainer"] = activations(n) + [
+        "model.cpu_offloading_double_buffering=True"]
   settings[f"optimizer 0.5 device + activations {num_layers - 1} layers"] = (
       optimizer(0.5, "device") + activations(num_layers - 1))
   # The transfers named: under bfloat16 compute the default would halve them.

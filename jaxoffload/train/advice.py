@@ -13,7 +13,7 @@ from jaxoffload.train.rules import ATTENTION_IMPLEMENTATIONS, micro_batches
 # nothing. (The fraction and the layer count are refused instead: rules.)
 SWITCHED_KEYS = {
     ("model", "cpu_offloading"): ("cpu_offloading_activations", "cpu_offloading_weights",
-                                  "cpu_offloading_policy"),
+                                  "cpu_offloading_policy", "cpu_offloading_double_buffering"),
     ("optimizer", "optimizer_cpu_offload"): (
         "optimizer_offload_update_on", "overlap_cpu_optimizer_d2h_h2d",
         "speculate_cpu_optimizer_step", "offload_transfer_dtype", "store_param_remainders",

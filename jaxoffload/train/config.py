@@ -51,8 +51,11 @@ class ModelConfig(LlamaConfig):
     cpu_offloading_activations: those layers send their named activations to pinned_host.
     cpu_offloading_weights: those layers' weights live in pinned_host and come to the
       device layer by layer.
-    cpu_offloading_double_buffering: no JAX setting (XLA's scheduler decides when
-      copies start): True is refused, naming the nearest XLA flag.
+    cpu_offloading_double_buffering: the trainer, not XLA, moves the offloaded layers'
+      activations: the model runs a program per layer, each layer's named activations
+      go to pinned_host as its forward program ends and come back a layer ahead of its
+      backward program, while the device computes the neighbouring layer (not with
+      cpu_offloading_weights). False: XLA's remat policy moves them inside one program.
     cpu_offloading_policy: which named activations the offloaded layers send to
       pinned_host, the rest recomputed: a key of ``jaxoffload.remat.OFFLOAD_PRESETS``
       (all, qkv, attention, mlp, qkv_mlp, matmuls, residual). A jaxoffload extension;

@@ -1,4 +1,6 @@
-"""A host-kernel step whose update overlaps the next step's forward pass, a layer at a time.
+"""A step a program per piece of the model: the host kernel's update overlapping the next
+step's forward pass a layer at a time, and the offloaded layers' activations moved by the
+trainer between programs.
 
 With the host kernel, wherever it can (``Setup.overlaps_host_update``), a step
 runs the model as a program per piece (``train.pieces``): the embedding,
@@ -28,6 +30,11 @@ last backward pass.
 Where the update starts without the clipping factor (unclipped), the device sends
 no more than ``GRADIENT_BYTES_AHEAD`` of the host's gradients ahead of it: the
 host never holds a whole step's.
+
+With ``model.cpu_offloading_double_buffering`` (``Setup.moves_activations``), with or
+without the host kernel, an offloaded layer's forward program keeps its activations on
+the device; they go to pinned_host as the program ends, while the next layer's runs, and
+come back while the layer above runs its backward program (``_placed``).
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ import jax
 import numpy as np
 
 from jaxoffload import layered
+from jaxoffload._compat import DEVICE_KIND, PINNED_HOST
 from jaxoffload.host_offload import HostAdamW
 from jaxoffload.train.pieces import PiecePrograms
 from jaxoffload.train.programs import StepPrograms
@@ -85,8 +93,8 @@ class OverlappedStep:
         *(piece for name in p.head for piece in p.host_pieces(name))]))
     self._compiled: dict[str, jax.stages.Compiled] = {}
 
-  def __call__(self, device_leaves: list, host: HostAdamW, opt_state: Any, tokens: jax.Array
-               ) -> tuple[list, Any, jax.Array, jax.Array]:
+  def __call__(self, device_leaves: list, host: Optional[HostAdamW], opt_state: Any,
+               tokens: jax.Array) -> tuple[list, Any, jax.Array, jax.Array]:
     """One step: ``(device leaves, optimizer state, loss, gradients' global norm)``; the host
     holds this step's update of its leaves, to apply during the next step (``HostAdamW.hold``;
     ``HostAdamW.apply_held`` before reading them otherwise)."""
@@ -95,7 +103,8 @@ class OverlappedStep:
       compiled = self._compiled.get(key)
       return compiled(*args) if compiled is not None else jitted(*static, *args)
 
-    return self._chain(device_leaves, host.params, opt_state, tokens, run, host)
+    return self._chain(device_leaves, [] if host is None else host.params, opt_state, tokens,
+                       run, host)
 
   @property
   def compiled(self) -> dict[str, jax.stages.Compiled]:
@@ -112,7 +121,7 @@ class OverlappedStep:
     the device leaves' gradients, which with several micro-batches the last micro-batch's
     backward programs make from the gradients' sums a piece at a time (the larger of the
     two, and one piece of both where they cross)."""
-    saved, fetched, heads = [], [], []
+    saved, fetched, heads, moved = [], [], [], []
     nbytes = lambda xs: sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
                             for x in xs)
 
@@ -126,17 +135,21 @@ class OverlappedStep:
       if key.startswith("head"):
         heads.append(key)
       if not heads and key == "embed forward":  # One micro-batch's: the first.
-        saved.extend(jax.tree.leaves(out[1]))
+        saved.append(nbytes(jax.tree.leaves(out[1])))
       if not heads and key.startswith("forward"):
-        saved.extend(jax.tree.leaves(out[1]))
+        # What the step moves to host memory is on the device for two layers at most: the
+        # one leaving, and the one coming back ahead of its backward program.
+        (moved if static[0] in self.piece.moved else saved).append(
+            nbytes(jax.tree.leaves(out[1])))
         if self.piece.layouts[static[0]].takes_input:
-          saved.append(args[-1])
+          saved.append(nbytes([args[-1]]))
       if key.startswith("fetch"):
         fetched.append(nbytes(jax.tree.leaves(out)))
       return out
 
     self._chain(device_leaves, host_params, opt_state, tokens, run, None)
-    kept, grads = nbytes(saved) + sum(fetched), nbytes(jax.tree.leaves(device_leaves))
+    kept = sum(saved) + sum(fetched) + 2 * max(moved, default=0)
+    grads = nbytes(jax.tree.leaves(device_leaves))
     if self.piece.micro_batches == 1:
       return dict(self._compiled), kept + grads
     # Per piece (a layer of a group's leaves, or a whole parameter), its sums of every
@@ -215,6 +228,8 @@ class OverlappedStep:
       for index in range(group.stop - group.start):  # The backward program takes the weights.
         y, kept = this.run(f"forward {name}", self.piece.forward, (name,),
                            *weights(name, index, release=False), np.int32(index), x)
+        if name in self.piece.moved:  # Copied out while the next layer's program runs.
+          kept = _placed(kept, PINNED_HOST)
         saved.append((name, index, x if self.piece.layouts[name].takes_input else None, kept))
         x = y
     loss, dx, shared_embed, head_grads = this.run(
@@ -232,6 +247,9 @@ class OverlappedStep:
     stage, adds, sums = self._stage(micro), not last, this.sums
     while saved:  # Each layer's activations (and, the last time, weights) go as it ends.
       name, index, x, kept = saved.pop()
+      kept = _placed(kept, DEVICE_KIND)  # Where it was not brought back ahead.
+      if saved and saved[-1][0] in self.piece.moved:  # The next one's, under this program.
+        saved[-1] = (*saved[-1][:3], _placed(saved[-1][3], DEVICE_KIND))
       if last and this.host is not None:
         # No more of the host's gradients ahead of its update than this: the device waits
         # rather than fill host memory with a whole step's.
@@ -293,3 +311,10 @@ class OverlappedStep:
       device_grads.setdefault(name, []).append(device)
     return pieces
 
+
+def _placed(kept: list, memory_kind: str) -> list:
+  """``kept``'s arrays in ``memory_kind`` (a copy each that runs beside the device's programs;
+  none where they are there already); shapes, while compiling, as they are."""
+  return [jax.device_put(x, x.sharding.with_memory_kind(memory_kind))
+          if isinstance(x, jax.Array) and x.sharding.memory_kind != memory_kind else x
+          for x in kept]

@@ -12,12 +12,13 @@ in the dtype it travels in and keeps the rest.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from jaxoffload import layered
+from jaxoffload import layered, remat
 from jaxoffload._compat import DEVICE_KIND, to_device, to_host
 from jaxoffload.model import group_name
 from jaxoffload.train.grads import add_to_sum, micro_batch
@@ -37,6 +38,14 @@ class PiecePrograms:
     self.programs = programs
     self.model = setup.llama
     self.layer_groups = {group_name(g): g for g in setup.groups}
+    # Where the trainer moves activations (``Setup.moves_activations``), a layer's forward
+    # program keeps on the device what its group offloads, and the step sends that to
+    # pinned_host as the program ends (``train.overlap``): the groups it does so for.
+    self.moved = {name for name, g in self.layer_groups.items()
+                  if setup.moves_activations and g.placements is not None
+                  and remat.Placement.OFFLOAD in remat.check_placements(g.placements).values()}
+    self.forward_groups = {name: _kept_on_device(g) if name in self.moved else g
+                           for name, g in self.layer_groups.items()}
     self.head = layered.head_names(self.model)
     # Those the head program makes gradients for: a shared embedding's share goes to the
     # embedding's backward program.
@@ -144,7 +153,7 @@ class PiecePrograms:
     """Layer ``index`` of group ``name`` on ``x``: ``(its output, what its backward program
     takes beside its weights and x)``."""
     y, self.layouts[name], kept = layered.layer_forward(
-        self.model, self.layer_groups[name], self._params(name, device, fetched, index), x)
+        self.model, self.forward_groups[name], self._params(name, device, fetched, index), x)
     return y, kept
 
   def _head_piece(self, last, head, x, tokens, micro, loss_sum, sums, step):
@@ -188,3 +197,10 @@ class PiecePrograms:
     return self.programs.apply_sums(device_leaves, opt_state,
                                     (loss_sum / self.micro_batches, grads), sum(squares),
                                     count=1)
+
+
+def _kept_on_device(group: remat.LayerGroup) -> remat.LayerGroup:
+  """``group`` saving on the device what it offloads."""
+  placements = {name: remat.Placement.SAVE if p is remat.Placement.OFFLOAD else p
+                for name, p in remat.check_placements(group.placements).items()}
+  return dataclasses.replace(group, placements=placements)

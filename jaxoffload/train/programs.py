@@ -156,12 +156,13 @@ class StepPrograms:
     new_leaves, opt_state, grad_norm, clip_factor = self._update(params, grads, opt_state)
     # The host applies the sums themselves: the mean's division goes with the clipping.
     return (new_leaves, opt_state, loss_sum / count, grad_norm,
-            self._to_host(clip_factor / count))
+            self._to_host(clip_factor, count))
 
-  def _to_host(self, clip_factor):
-    """The clipping factor where the host kernel reads it (computed on the device first:
-    arithmetic on a value in host memory would make XLA compute on the host)."""
-    return to_host(clip_factor) if self.setup.host_kernel else None
+  def _to_host(self, clip_factor, count: int = 1):
+    """The clipping factor over ``count`` where the host kernel reads it (computed on the
+    device first: arithmetic on a value in host memory would make XLA compute on the host);
+    None without the host kernel."""
+    return to_host(clip_factor / count) if self.setup.host_kernel else None
 
   def _update(self, params, grads, opt_state):
     """Clipping and the device optimizer's update: the new device leaves, the state, the

@@ -65,6 +65,9 @@ class Setup:
       from host memory: ``transfer_dtypes`` where the host keeps float32 masters split
       (``optimizer.store_param_remainders``) and bfloat16 parameters as they are, float32
       otherwise (the device rounds them itself).
+    moves_activations: whether the trainer moves the offloaded layers' activations itself,
+      a program per layer (``model.cpu_offloading_double_buffering``), not XLA's remat
+      policy inside one program.
   """
 
   config: Config
@@ -85,6 +88,13 @@ class Setup:
   overlaps_host_update: bool
   transfer_dtypes: tuple[jnp.dtype, ...]
   weight_transfer_dtypes: tuple[jnp.dtype, ...]
+  moves_activations: bool
+
+  @property
+  def runs_per_layer(self) -> bool:
+    """Whether a step runs a program per piece of the model (``train.overlap``): for the host
+    kernel's overlapped update, or for the trainer to move activations."""
+    return self.overlaps_host_update or self.moves_activations
 
   @property
   def initial_param_shardings(self) -> Any:
@@ -246,7 +256,8 @@ def _placed(config: Config, offload: Optional[OffloadPlan], mesh: Any,
                 clips_gradients=rules.clips_gradients(config),
                 moment_dtypes=rules.moment_dtypes(config), host_kernel=host_kernel,
                 overlaps_host_update=host_kernel and rules.host_update_overlaps(config),
-                transfer_dtypes=transfer, weight_transfer_dtypes=weight_transfer)
+                transfer_dtypes=transfer, weight_transfer_dtypes=weight_transfer,
+                moves_activations=rules.moves_activations(config))
   if setup.sums_on_host:
     # The model fetches the host kernel's stacked leaves a layer at a time, and their
     # gradients leave the device as they are made.

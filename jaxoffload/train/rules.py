@@ -212,6 +212,28 @@ def host_update_overlaps(config: Config) -> bool:
           and host_update_overlap_blocker(config) is None)
 
 
+def moves_activations(config: Config) -> bool:
+  """Whether the trainer moves the offloaded layers' activations itself, a program per layer
+  (``model.cpu_offloading_double_buffering``)."""
+  m = config.model
+  return m.cpu_offloading and m.cpu_offloading_double_buffering and m.cpu_offloading_activations
+
+
+def per_layer_blocker(config: Config) -> Optional[str]:
+  """Why the model cannot run a program per layer (``train.overlap``) for the trainer to move
+  activations, or None where it can: as the host kernel's overlap, where it may update on
+  the host kernel; and never with ``optimizer.overlap_cpu_optimizer_d2h_h2d=False``, whose
+  update runs after one program."""
+  o = config.optimizer
+  if config.model.cpu_offloading_weights:
+    return "model.cpu_offloading_weights=True brings weights in inside the model's scan: set one"
+  kernel = o.optimizer_cpu_offload and o.optimizer_offload_update_on in ("host_kernel", "auto")
+  if kernel and o.overlap_cpu_optimizer_d2h_h2d is False:
+    return ("optimizer.overlap_cpu_optimizer_d2h_h2d=False runs the host kernel's update after "
+            "one program: leave it null")
+  return host_update_overlap_blocker(config) if kernel else None
+
+
 def host_update_overlap_blocker(config: Config) -> Optional[str]:
   """Why the host kernel's update cannot overlap the next forward pass a program per layer
   (``train.overlap``), or None where it can: it needs weights on the device and, with
@@ -266,11 +288,10 @@ def _check_model(config: Config) -> None:
     # Megatron ignores the count without its switch; a count given means offload was meant.
     raise ConfigError(f"model.cpu_offloading_num_layers={m.cpu_offloading_num_layers} needs "
                       f"model.cpu_offloading=True; without it the count must be {unset}")
-  if m.cpu_offloading_double_buffering:
-    raise ConfigError("model.cpu_offloading_double_buffering=True has no setting in JAX: XLA's "
-                      "scheduler decides when offloaded layers' copies start; its flag "
-                      "--xla_gpu_enable_pipelined_host_offloading is the nearest (no faster: "
-                      "docs/performance.md#activation-offload)")
+  blocker = per_layer_blocker(config)
+  if m.cpu_offloading and m.cpu_offloading_double_buffering and blocker:
+    raise ConfigError(f"model.cpu_offloading_double_buffering=True runs the model a program per "
+                      f"layer: {blocker}")
 
 
 def _check_data_and_processes(config: Config) -> None:

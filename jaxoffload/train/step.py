@@ -107,7 +107,7 @@ class Trainer:
     """What the step is, from ``setup`` alone."""
     self.setup = setup
     self.programs = StepPrograms(setup)
-    self.overlapped = OverlappedStep(self.programs) if setup.overlaps_host_update else None
+    self.overlapped = OverlappedStep(self.programs) if setup.runs_per_layer else None
     self._host_shapes: list[jax.ShapeDtypeStruct] = []
     self._compiled: tuple[jax.stages.Compiled, ...] = ()
 
