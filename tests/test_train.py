@@ -659,8 +659,8 @@ def test_moved_activations_leave_for_pinned_host_and_return_a_layer_ahead(monkey
   # back while the layer above it is popped for its backward program: a layer ahead.
   device, host = {"device"}, {"pinned_host"}
   step = [(device, "pinned_host"), (device, "pinned_host"),
-          (device, "device"),  # Layer 3, kept on the device.
-          (device, "device"), (host, "device"),  # Layer 2; layer 1 starts back.
-          (device, "device"), (host, "device"),  # Layer 1, back already; layer 0 starts back.
+          (host, "device"),  # Popping layer 2 (not moved, as layer 3), layer 1 starts back.
+          (device, "device"),  # Layer 1, back already; layer 0 starts back.
+          (host, "device"),
           (device, "device")]  # Layer 0.
   assert moves == 2 * step

@@ -247,7 +247,8 @@ class OverlappedStep:
     stage, adds, sums = self._stage(micro), not last, this.sums
     while saved:  # Each layer's activations (and, the last time, weights) go as it ends.
       name, index, x, kept = saved.pop()
-      kept = _placed(kept, DEVICE_KIND)  # Where it was not brought back ahead.
+      if name in self.piece.moved:  # Where it was not brought back ahead.
+        kept = _placed(kept, DEVICE_KIND)
       if saved and saved[-1][0] in self.piece.moved:  # The next one's, under this program.
         saved[-1] = (*saved[-1][:3], _placed(saved[-1][3], DEVICE_KIND))
       if last and this.host is not None:
