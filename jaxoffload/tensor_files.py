@@ -90,8 +90,9 @@ def copy_blocks(copies: Sequence[tuple[np.ndarray, np.ndarray, bool]]) -> None:
 
 @functools.cache
 def _pool() -> concurrent.futures.ThreadPoolExecutor:
-  return concurrent.futures.ThreadPoolExecutor(len(os.sched_getaffinity(0)),
-                                               thread_name_prefix="tensor_files")
+  # The cores this process may run on, where the platform says (not macOS).
+  cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+  return concurrent.futures.ThreadPoolExecutor(cores or 1, thread_name_prefix="tensor_files")
 
 
 def _copy_rows(out: np.ndarray, source: np.ndarray, transposed: bool, start: int) -> None:

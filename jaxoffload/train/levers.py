@@ -63,7 +63,7 @@ def with_figures(setup: Setup, keys: list[str], need: Callable[[Setup], int]) ->
     setting = _setting(setup, key)
     try:
       figure = size(need(variant(setup, override(setup.config, [setting.split(" ")[0]]))))
-    except (AttributeError, ConfigError, ValueError):
+    except (ConfigError, ValueError):
       out.append(key)
       continue
     # Inside a note the lever already carries: "key=value (why; needs N GB)".
