@@ -104,7 +104,7 @@ def plan(config: Config, budgets: Budgets, *, explore: bool = True, compact: boo
   if explore and calibration is None:
     with xla_logs.dropped():
       calibration = calibrate([override(config, o) for o in settings.values()], log=log)
-  places = fit.update_places(config, machine, keep=not explore)
+  places = fit.update_places(config, keep=not explore)
 
   def sums(place, size):  # Where the host kernel's leaves' gradients may be summed.
     accumulates = size < config.train.global_batch_size

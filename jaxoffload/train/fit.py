@@ -23,7 +23,7 @@ from jaxoffload.train.loading import override
 from jaxoffload.train.resolve import Setup, resolve
 from jaxoffload.train.step import Trainer, resident_device_bytes
 from jaxoffload.train.step_time import Calibration, predict_s
-from jaxoffload.train.update_place import kernel_formats
+from jaxoffload.train.update_place import candidate_places, kernel_formats
 
 DEVICE_HEADROOM = 0.05  # XLA's estimate leaves out fragmentation and the runtime's own use.
 HOST_HEADROOM = 0.10  # The guard's arithmetic leaves out allocator growth it cannot see.
@@ -134,15 +134,19 @@ def least_offload(config: Config, budgets: Budgets, machine: Optional[autoplace.
   machine = machine or autoplace.measure_machine(formats=kernel_formats(config))
   size = [f"train.micro_batch_size={config.train.micro_batch_size}"]
   return search([Ladder(config, "as configured", size, (place, None), machine, None, baseline)
-                 for place in update_places(config, machine, keep=True)], budgets)
+                 for place in update_places(config, keep=True)], budgets)
 
 
-def update_places(config: Config, machine: autoplace.Machine, *, keep: bool) -> list[str]:
-  """The update placements to search: the device, and the host kernel where ``machine``
-  runs it; with ``keep``, the config's own where it names one."""
-  if keep and config.optimizer.optimizer_offload_update_on in PLACES:
-    return [config.optimizer.optimizer_offload_update_on]
-  return [p for p in PLACES if p == "device" or machine.kernel_rate is not None]
+def update_places(config: Config, *, keep: bool) -> list[str]:
+  """The update placements to search: those of ``PLACES`` that ``auto`` may choose for
+  ``config`` (``update_place.candidate_places``); with ``keep``, the config's own where it
+  names one."""
+  o = config.optimizer
+  if keep and o.optimizer_offload_update_on in PLACES:
+    return [o.optimizer_offload_update_on]
+  auto = dataclasses.replace(config, optimizer=dataclasses.replace(
+      o, optimizer_offload_update_on="auto"))
+  return [p for p in candidate_places(auto) if p in PLACES]
 
 
 def search(ladders: list[Ladder], budgets: Budgets) -> tuple[Optional[Candidate], list[Candidate]]:
@@ -152,8 +156,9 @@ def search(ladders: list[Ladder], budgets: Budgets) -> tuple[Optional[Candidate]
   A ladder's least fraction whose state alone fits (found without compiling) bounds its
   step time from below; ladders are tried fastest bound first, until the pick is faster
   than every bound left. A ladder is compiled at its most offload (if that does not fit,
-  neither does a larger micro-batch of its activation setting), then at its least, then
-  bisected; where the device's budget is unknown, not at all.
+  neither does a larger micro-batch of its activation setting), then where that peak
+  predicts the least fit (``Ladder.smallest_fitting``); where the device's budget is
+  unknown, not at all.
   """
   rows = {n: ladder.least(budgets) for n, ladder in enumerate(ladders)}
   device_bytes = {}  # Per setting's overrides, its compiled step's device peak.
