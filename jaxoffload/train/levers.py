@@ -1,14 +1,14 @@
 """The settings that lower a run's host memory from where it stands, and what it needs with each.
 
 ``lowering_keys`` names them per part of the guard's arithmetic
-(``train.host_memory.needed``), none already at its limit; ``reached`` gives
-each the run's need with it set, reckoned from shapes alone, so that a refusal
-says how far each would go.
+(``train.host_memory.needed``), none already at its limit; ``with_figures``
+gives each the run's need with it set, reckoned from shapes alone, so that a
+refusal says how far each would go.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable
 
 import jax.numpy as jnp
 
