@@ -68,6 +68,10 @@ def test_llama_1b_is_tinyllamas_shape():
       "optimizer.optimizer_offload_fraction=0.5", "train.micro_batch_size=4"],
      r"a program per layer: with several micro-batches it sums every gradient on the device: "
      r"optimizer.accumulate_offloaded_grads_on must be 'device', got 'host'$"),
+    (["train.per_layer_step=True", "model.cpu_offloading=True",
+      "model.cpu_offloading_num_layers=1", "model.cpu_offloading_weights=True"],
+     r"^train.per_layer_step=True runs the model a program per layer: "
+     r"model.cpu_offloading_weights=True brings weights in inside the model's scan: set one$"),
     (["optimizer.use_torch_optimizer_for_cpu_offload=True"],
      r"jaxoffload has no torch optimizer; .* optimizer.optimizer_offload_update_on"),
     (["optimizer.use_distributed_optimizer=True", "mesh.data=2"],

@@ -108,6 +108,12 @@ SLOW = pytest.mark.slow
                   "optimizer.optimizer_offload_update_on=device"], marks=SLOW,
                  id="weights-and-optimizer"),
     pytest.param(["train.micro_batch_size=4"], marks=SLOW, id="accumulation"),
+    # A program per layer where nothing needs it: without offload, beside the streamed update.
+    pytest.param(["train.per_layer_step=True", "train.micro_batch_size=4"], marks=SLOW,
+                 id="per-layer-accumulation"),
+    pytest.param(["train.per_layer_step=True", *HOST_KERNEL[:2],
+                  "optimizer.optimizer_offload_update_on=device"], marks=SLOW,
+                 id="per-layer-optimizer-device"),
     pytest.param([*HOST_KERNEL, "train.micro_batch_size=4"], marks=SLOW, id="host-kernel"),
     # By default a program per layer, the host updating each before the next step reads it;
     # or one program, the host updating after it.
@@ -227,6 +233,12 @@ def test_the_host_kernel_overlaps_the_next_forward_pass_wherever_it_can():
   assert trainer("train.micro_batch_size=4").overlapped is None  # A program per micro-batch.
   assert trainer("train.micro_batch_size=4",
                  "optimizer.accumulate_offloaded_grads_on=device").overlapped is not None
+
+
+def test_the_step_runs_a_program_per_layer_without_offload_only_where_asked():
+  trainer = lambda *more: Trainer.from_shapes(resolve(load_config(None, list(more))))
+  assert trainer().overlapped is None
+  assert trainer("train.per_layer_step=True").overlapped is not None
 
 
 @SLOW

@@ -224,6 +224,10 @@ class TrainConfig:
     host_memory_limit: the host memory this process may hold, in bytes or as a
       size such as 64GB or 60GiB; null: what the machine (MemAvailable) and the
       cgroup leave. A run that would need more is refused before it allocates.
+    per_layer_step: run every step as a program per piece of the model
+      (``jaxoffload.train.overlap``) even where nothing needs it, to compare it with
+      the one-program step (the no-offload baseline included). The host kernel's
+      overlapped update and cpu_offloading_double_buffering run so anyway.
   """
 
   train_iters: int = 100
@@ -231,6 +235,7 @@ class TrainConfig:
   micro_batch_size: int = 8
   seed: int = 0
   host_memory_limit: Optional[Union[int, str]] = None
+  per_layer_step: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

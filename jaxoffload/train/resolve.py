@@ -93,8 +93,10 @@ class Setup:
   @property
   def runs_per_layer(self) -> bool:
     """Whether a step runs a program per piece of the model (``train.overlap``): for the host
-    kernel's overlapped update, or for the trainer to move activations."""
-    return self.overlaps_host_update or self.moves_activations
+    kernel's overlapped update, for the trainer to move activations, or where
+    ``train.per_layer_step`` asks."""
+    return (self.overlaps_host_update or self.moves_activations
+            or self.config.train.per_layer_step)
 
   @property
   def initial_param_shardings(self) -> Any:

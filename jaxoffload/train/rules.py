@@ -221,11 +221,11 @@ def moves_activations(config: Config) -> bool:
 
 def per_layer_blocker(config: Config) -> Optional[str]:
   """Why the model cannot run a program per layer (``train.overlap``) for the trainer to move
-  activations, or None where it can: as the host kernel's overlap, where it may update on
-  the host kernel; and never with ``optimizer.overlap_cpu_optimizer_d2h_h2d=False``, whose
-  update runs after one program."""
+  activations or for ``train.per_layer_step``, or None where it can: as the host kernel's
+  overlap, where it may update on the host kernel; and never with
+  ``optimizer.overlap_cpu_optimizer_d2h_h2d=False``, whose update runs after one program."""
   o = config.optimizer
-  if config.model.cpu_offloading_weights:
+  if config.model.cpu_offloading and config.model.cpu_offloading_weights:
     return "model.cpu_offloading_weights=True brings weights in inside the model's scan: set one"
   kernel = o.optimizer_cpu_offload and o.optimizer_offload_update_on in ("host_kernel", "auto")
   if kernel and o.overlap_cpu_optimizer_d2h_h2d is False:
@@ -292,6 +292,8 @@ def _check_model(config: Config) -> None:
   if m.cpu_offloading and m.cpu_offloading_double_buffering and blocker:
     raise ConfigError(f"model.cpu_offloading_double_buffering=True runs the model a program per "
                       f"layer: {blocker}")
+  if config.train.per_layer_step and blocker:
+    raise ConfigError(f"train.per_layer_step=True runs the model a program per layer: {blocker}")
 
 
 def _check_data_and_processes(config: Config) -> None:
