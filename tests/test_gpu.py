@@ -144,15 +144,46 @@ def test_offloaded_activations_leave_device_memory():
   assert saved - offloaded >= 0.8 * moved, (saved, offloaded, moved)
 
 
+# A trainer's model big enough for its buffers to show in device memory.
+TRAINER_SHAPE = [f"model.{k}={v}" for k, v in dict(
+    vocab_size=512, hidden_size=1024, intermediate_size=2816, num_layers=4,
+    num_attention_heads=8, num_query_groups=2, seq_length=1024, dtype="bfloat16").items()]
+
+
+def test_activations_moved_by_the_trainer_leave_device_memory(monkeypatch):
+  # What the device holds as the backward pass starts, with the moved layers' activations
+  # in pinned_host, against the same step with them left where their programs made them.
+  from jaxoffload.memory import offloaded_activation_bytes
+  from jaxoffload.train import Trainer, load_config, overlap, resolve
+  setup = resolve(load_config(None, TRAINER_SHAPE + [
+      "model.cpu_offloading=True", "model.cpu_offloading_num_layers=3",
+      "model.cpu_offloading_double_buffering=True", "train.global_batch_size=4",
+      "train.micro_batch_size=4"]))
+  in_use, backward_pass = {}, overlap.OverlappedStep._backward_pass
+
+  def recorded(self, this, saved, *args):
+    jax.block_until_ready([kept for *_, kept in saved])
+    in_use[mode] = jax.devices()[0].memory_stats()["bytes_in_use"]
+    return backward_pass(self, this, saved, *args)
+
+  monkeypatch.setattr(overlap.OverlappedStep, "_backward_pass", recorded)
+  for mode in ("moved", "left"):
+    if mode == "left":
+      monkeypatch.setattr(overlap, "_placed", lambda kept, memory_kind: kept)
+    trainer = Trainer(setup)
+    for step in range(2):  # The second step's figure: compiled, and a step's state settled.
+      jax.block_until_ready(trainer.step(setup.global_batch(step)))
+    del trainer
+  moved = offloaded_activation_bytes(setup.model, setup.groups, 4, setup.model.seq_length)
+  assert 0.8 * moved <= in_use["left"] - in_use["moved"] <= 1.2 * moved, (in_use, moved)
+
+
 def test_summing_on_the_host_keeps_the_host_kernels_weights_and_gradients_off_the_device():
   # With micro-batches summed on the host, the model fetches the host kernel's stacks a
   # layer at a time and their gradients leave as they are made: neither is whole on the
   # device, as both are in the one-program step.
   from jaxoffload.train import Trainer, load_config, resolve
-  shape = [f"model.{k}={v}" for k, v in dict(
-      vocab_size=512, hidden_size=1024, intermediate_size=2816, num_layers=4,
-      num_attention_heads=8, num_query_groups=2, seq_length=1024, dtype="bfloat16").items()]
-  base = shape + ["optimizer.optimizer_cpu_offload=True",
+  base = TRAINER_SHAPE + ["optimizer.optimizer_cpu_offload=True",
                   "optimizer.optimizer_offload_fraction=1.0",
                   "optimizer.optimizer_offload_update_on=host_kernel",
                   "optimizer.offload_transfer_dtype=bfloat16", "model.recompute_granularity=full",
