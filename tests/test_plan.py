@@ -16,6 +16,7 @@ import pytest
 import jaxoffload.train
 from jaxoffload import autoplace, plan
 from jaxoffload.plan import search, timing, xla_logs
+from jaxoffload.memory import offloaded_activation_bytes
 from jaxoffload.plan.__main__ import main as plan_main
 from jaxoffload.train import fit, host_memory, load_config, resolve, step_time, train
 from jaxoffload.train.__main__ import main as train_main
@@ -62,6 +63,22 @@ def test_a_step_is_predicted_as_the_sum_of_its_parts():
   summing = host * 4 / 50e9 * 2 + host / 10e9
   assert step_time.predict_s(setup, c, MACHINE) == pytest.approx(compute + adam + added + summing)
   assert step_time.predict_s(setup, None, MACHINE) == pytest.approx(added + summing)
+
+
+def test_a_moved_layer_costs_a_saved_layer_and_what_of_its_copies_its_neighbours_leave_bare():
+  setup = resolve(load_config(None, ["model.cpu_offloading=True",
+                                     "model.cpu_offloading_num_layers=3",
+                                     "model.cpu_offloading_double_buffering=True"]))
+  c = CALIBRATION  # At the config's micro-batch of 8.
+  adam = sum(x.size for x in jax.tree.leaves(setup.param_shapes)) * 28 / c.device_bandwidth
+  saved = c.fixed_s + 4 * c.layer_s["save"]
+  # This small a layer's copies hide under its neighbours' compute...
+  assert step_time.predict_s(setup, c, MACHINE) == pytest.approx(saved + adam)
+  # ... and on a link where the copy out takes 2 ms and the copy back 4 ms, a third and
+  # two thirds of the 4 ms layer hide them in part: 2 ms a layer bare, over 3 layers.
+  each = offloaded_activation_bytes(setup.model, setup.groups, 8, setup.model.seq_length) / 3
+  slow = dataclasses.replace(MACHINE, device_to_host=each / 0.002, host_to_device=each / 0.004)
+  assert step_time.predict_s(setup, c, slow) == pytest.approx(saved + adam + 3 * 0.002)
 
 
 def test_the_search_stops_once_the_pick_beats_every_bound(compiled_as_resident):
@@ -264,7 +281,9 @@ def test_the_calibration_times_the_model_with_its_weights_on_the_device(monkeypa
 def test_on_a_cpu_and_where_the_rules_refuse_them_no_offload_setting_is_offered():
   config = load_config(None, [])
   offload = lambda settings: [name for name in settings if name.startswith("offload")]
-  assert offload(plan.activation_settings(config, backend="gpu"))
+  assert offload(plan.activation_settings(config, backend="gpu")) == [
+      "offload qkv, 3 layers", "offload qkv and weights, 3 layers",
+      "offload qkv, 3 layers, moved by the trainer"]
   # Activation offload frees no memory on the cpu backend.
   assert not offload(plan.activation_settings(config, backend="cpu"))
   # The rules refuse activation offload with CUDA graphs: never calibrated nor searched.

@@ -29,8 +29,9 @@ _MOMENT_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1}
 def activation_settings(config: Config, backend: Optional[str] = None) -> dict[str, list[str]]:
   """The activation settings the planner tries, by name: the config's own, saving every
   activation, recomputing the attention kernel (selective) or every layer, and, but on a
-  CPU, offloading the config's policy (with and without the weights) for every layer but
-  the last (Megatron's limit).
+  CPU, offloading the config's policy for every layer but the last (Megatron's limit): by
+  XLA inside one program, with the weights too, and moved by the trainer a program per
+  layer.
 
   Args:
     config: a checked config.
@@ -44,7 +45,8 @@ def activation_settings(config: Config, backend: Optional[str] = None) -> dict[s
   off = lambda weights: ["model.cpu_offloading=True", "model.recompute_granularity=null",
                          f"model.cpu_offloading_num_layers={m.num_layers - 1}",
                          "model.cpu_offloading_activations=True",
-                         f"model.cpu_offloading_weights={weights}"]
+                         f"model.cpu_offloading_weights={weights}",
+                         "model.cpu_offloading_double_buffering=False"]
   no_offload = ["model.cpu_offloading=False", "model.cpu_offloading_num_layers=0"]
   settings = {"as configured": []}
   settings["save everything"] = no_offload + ["model.recompute_granularity=null"]
@@ -54,6 +56,8 @@ def activation_settings(config: Config, backend: Optional[str] = None) -> dict[s
     settings[f"offload {m.cpu_offloading_policy}, {m.num_layers - 1} layers"] = off(False)
     settings[f"offload {m.cpu_offloading_policy} and weights, {m.num_layers - 1} layers"] = (
         off(True))
+    settings[f"offload {m.cpu_offloading_policy}, {m.num_layers - 1} layers, moved by the "
+             f"trainer"] = off(False) + ["model.cpu_offloading_double_buffering=True"]
   models = {}
   for name, o in settings.items():
     try:

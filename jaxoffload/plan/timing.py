@@ -4,7 +4,8 @@
 the model at the config's micro-batch size: with every layer saved, at 1 and 2 layers (one
 layer's time is their difference, the rest of the first the fixed part); each other
 activation setting once, at 1 layer (an offloaded one with a saved layer after it), its
-layer's time being what that adds to the fixed part (and the saved layer); the 2-layer
+layer's time being what that adds to the fixed part (and the saved layer), but for layers
+whose activations the trainer moves, priced from the saved layer (``step_time``); the 2-layer
 model again at half the size (what part of the time does not shrink with it); and a large
 device copy (the bandwidth the device's AdamW is priced at). The timed parameters are
 filled with a constant, not initialised: their values do not change the time, and
@@ -26,7 +27,7 @@ from jaxoffload.train.config import Config
 from jaxoffload.train.grads import loss_and_grads
 from jaxoffload.train.loading import override
 from jaxoffload.train.resolve import Setup, resolve
-from jaxoffload.train.step_time import REST_MODES, Calibration, layer_modes
+from jaxoffload.train.step_time import REST_MODES, Calibration, timed_modes
 
 _REPEATS = 3
 _COPY_BYTES = 256 * 2**20
@@ -52,7 +53,7 @@ def calibrate(configs: list[Config], *, log: Callable[[str], None] = print) -> C
   layer_s = {"save": max(save_two - save_one, 0.0)}
   fixed_s = max(save_one - layer_s["save"], 0.0)
   for config in configs:
-    for mode in layer_modes(config):
+    for mode in timed_modes(config):
       if mode not in layer_s:
         rest = mode in REST_MODES.values()
         one = _fwd_bwd_s(config, _rest_layers(mode, 1) if rest else _OFFLOADED_LAYER)

@@ -10,6 +10,12 @@ A step is predicted to take the sum of:
   at the config's micro-batch size), and scaled to another micro-batch size by a
   line through a second timing at half the size (a part of the time does not
   shrink with it);
+- where the trainer moves the offloaded layers' activations
+  (``model.cpu_offloading_double_buffering``), each such layer costs a saved
+  layer's time plus what of its copies the neighbouring layers' compute does not
+  hide: the copy out runs beside the next layer's forward pass, the copy back
+  beside the layer above's backward pass (a layer's forward pass is taken as a
+  third of its time, its backward pass two thirds), at this machine's link rates;
 - the device's AdamW on the leaves it keeps: their bytes over the device's
   copy bandwidth, measured alongside;
 - what optimizer offload adds: ``autoplace``'s prices from this machine's
@@ -29,6 +35,8 @@ from typing import Optional
 import jax
 
 from jaxoffload import autoplace
+from jaxoffload.memory import offloaded_activation_bytes
+from jaxoffload.train import rules
 from jaxoffload.train.config import Config
 from jaxoffload.train.resolve import Setup
 from jaxoffload.train.update_place import price_updates
@@ -65,7 +73,8 @@ class Calibration:
 
 
 def layer_modes(config: Config) -> dict[str, int]:
-  """How many of ``config``'s layers run in each activation setting, by its name."""
+  """How many of ``config``'s layers run in each activation setting, by its name (those
+  ``timed_modes`` leaves out are priced from the saved layer's time and the link's)."""
   m = config.model
   offloaded = m.cpu_offloading_num_layers if m.cpu_offloading else 0
   modes = {_rest_mode(config): m.num_layers - offloaded}
@@ -79,13 +88,37 @@ def _rest_mode(config: Config) -> str:
   return REST_MODES[config.model.recompute_granularity]
 
 
+def timed_modes(config: Config) -> list[str]:
+  """The activation settings of ``config``'s layers that a calibration times: all but the
+  layers whose activations the trainer moves (their compute is a saved layer's)."""
+  return [mode for mode in layer_modes(config) if mode != _moved_mode(config)]
+
+
 def _offload_mode(config: Config) -> str:
   """The setting of the first ``cpu_offloading_num_layers`` layers, by name."""
   m = config.model
   parts = [f"offload {m.cpu_offloading_policy}" if m.cpu_offloading_activations else "recompute"]
   if m.cpu_offloading_weights:
     parts.append("weights")
+  if rules.moves_activations(config):
+    parts.append("moved by the trainer")
   return " + ".join(parts)
+
+
+def _moved_mode(config: Config) -> Optional[str]:
+  """The offloaded layers' setting where the trainer moves their activations, else None."""
+  return _offload_mode(config) if rules.moves_activations(config) else None
+
+
+def _unhidden_copies_s(setup: Setup, layer_s: float, machine: autoplace.Machine) -> float:
+  """What a moved layer's copies add to a micro-batch, beyond the neighbouring layers'
+  ``layer_s`` of compute (forward a third, backward two thirds) that they run beside."""
+  t, m = setup.config.train, setup.config.model
+  layers = m.cpu_offloading_num_layers
+  each = offloaded_activation_bytes(setup.model, setup.groups, t.micro_batch_size,
+                                    m.seq_length) / layers / setup.mesh.size
+  return (max(each / machine.device_to_host - layer_s / 3, 0.0)
+          + max(each / machine.host_to_device - 2 * layer_s / 3, 0.0))
 
 
 def predict_s(setup: Setup, calibration: Optional[Calibration], machine: autoplace.Machine
@@ -98,10 +131,14 @@ def predict_s(setup: Setup, calibration: Optional[Calibration], machine: autopla
   total = 0.0
   if calibration is not None:
     scale = calibration.scale(config.train.micro_batch_size)
-    compute = calibration.fixed_s + sum(n * calibration.layer_s[mode]
+    moved = _moved_mode(config)
+    layer_s = lambda mode: calibration.layer_s["save" if mode == moved else mode]
+    compute = calibration.fixed_s + sum(n * layer_s(mode)
                                         for mode, n in layer_modes(config).items())
+    copies = (0.0 if moved is None else config.model.cpu_offloading_num_layers
+              * _unhidden_copies_s(setup, scale * calibration.layer_s["save"], machine))
     on_device = sum(n for n, off in zip(elements, offloaded) if not (off and setup.host_kernel))
-    total = (setup.micro_batches * scale * compute
+    total = (setup.micro_batches * (scale * compute + copies)
              + on_device * _ADAM_BYTES_PER_ELEMENT / calibration.device_bandwidth)
   if setup.offload is not None:
     place = config.optimizer.optimizer_offload_update_on
