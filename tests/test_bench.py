@@ -17,6 +17,8 @@ from jaxoffload.train import ConfigError, load_config
 def test_default_settings_are_valid_configs_with_the_baseline_first(dtype):
   matrix = settings.default_settings(num_layers=4, bfloat16_compute=dtype == "bfloat16")
   assert list(matrix)[0] == "baseline" and matrix["baseline"] == []
+  # --settings takes them comma-separated.
+  assert not [name for name in matrix if "," in name]
   assert {"optimizer 0.25 device", "optimizer 1.0 host", "activations 2 layers",
           "activations 3 layers", "optimizer 0.5 device + activations 3 layers"} <= set(matrix)
   halved = {name for name in matrix if "bf16 transfers" in name}

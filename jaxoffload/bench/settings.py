@@ -32,7 +32,7 @@ def default_settings(num_layers: int, bfloat16_compute: bool) -> dict[str, list[
   settings = {"baseline": [], NOISE_FLOOR: []}
   # The same step as a program per layer, as the host kernel's overlap and moved
   # activations run it: which of the two ways is the faster baseline.
-  settings["baseline, a program per layer"] = ["train.per_layer_step=True"]
+  settings["baseline as a program per layer"] = ["train.per_layer_step=True"]
   for f in FRACTIONS:
     settings[f"optimizer {f} default"] = optimizer(f, "auto")[:2]
   for f in FRACTIONS:
@@ -42,7 +42,7 @@ def default_settings(num_layers: int, bfloat16_compute: bool) -> dict[str, list[
         optimizer(f, "device") + ["optimizer.overlap_cpu_optimizer_d2h_h2d=True"])
   for n in sorted({max(num_layers // 2, 1), num_layers - 1}):
     settings[f"activations {n} layers"] = activations(n)
-    settings[f"activations {n} layers, moved by the trainer"] = activations(n) + [
+    settings[f"activations {n} layers moved by the trainer"] = activations(n) + [
         "model.cpu_offloading_double_buffering=True"]
   settings[f"optimizer 0.5 device + activations {num_layers - 1} layers"] = (
       optimizer(0.5, "device") + activations(num_layers - 1))

@@ -1,0 +1,77 @@
+#!/bin/bash
+# The runs behind docs/performance.md's headline rows on one H200, a part per device call
+# (each under the device tool's 10 minutes; a part cut short resumes where it stopped):
+#   PYTHONPATH=. bash benchmarks/h200_headlines.sh PART OUT
+# PART:
+#   1b          the 1.1B shape unclipped, side by side: the baseline as one program and as a
+#               program per layer; the seed's two keys at 0.25 / 0.5 / 1.0 against the best
+#               hand-set placement; compact moments at 1.0; activation offload of 21 layers,
+#               moved by XLA and by the trainer
+#   1b-clipped  the same with clip_grad=1
+#   plan        the planner on the 8B shape (its time, and no XLA log line in its output), the
+#               8B import, the GPU tests
+#   13b         the planner on the 13B shape, then its pick trained for 4 steps, unclipped
+#   8b          the 8B shape at 1.0 on the host kernel: selective recompute against activations
+#               moved by the trainer, exact and with bfloat16 moments
+# Writes OUT/NAME.{json,md,log}; no environment variable is set by hand.
+set -u
+part=${1:?usage: h200_headlines.sh PART OUT}
+out=${2:?usage: h200_headlines.sh PART OUT}
+mkdir -p "$out"
+
+bench_1b() {  # name, overrides common to every setting...
+  local name=$1; shift
+  timeout 560 python3 -m jaxoffload.bench --config configs/llama_1b.yaml --steps 8 \
+    --out "$out/$name" --resume \
+    --settings "baseline again,baseline as a program per layer,optimizer 0.25 default,optimizer 0.5 default,optimizer 1.0 default,optimizer 0.25 host_kernel bf16 transfers,optimizer 0.5 host_kernel bf16 transfers,optimizer 1.0 host_kernel bf16 transfers,activations 21 layers,activations 21 layers moved by the trainer" \
+    --setting "compact 1.0 default=optimizer.optimizer_cpu_offload=True optimizer.optimizer_offload_fraction=1.0 optimizer.exp_avg_dtype=bfloat16 optimizer.exp_avg_sq_dtype=bfloat16" \
+    "$@" > "$out/$name.log" 2>&1
+  echo "$name: exit $?"
+}
+
+timed() {  # name, command...: its output and wall time, and how many XLA log lines it printed
+  local name=$1; shift
+  local start=$SECONDS
+  timeout 300 "$@" > "$out/$name.log" 2>&1
+  local status=$?
+  echo "$name: exit $status in $((SECONDS - start)) s;" \
+    "$(grep -cE '^[EWI][0-9]{4} ' "$out/$name.log") XLA log lines"
+}
+
+case $part in
+  1b) bench_1b bench_1b_unclipped optimizer.clip_grad=0 ;;
+  1b-clipped) bench_1b bench_1b_clipped optimizer.clip_grad=1 ;;
+  plan)
+    timed plan_8b python3 -m jaxoffload.plan --config configs/llama_8b_offload.yaml \
+      data.dataset=synthetic
+    timed hf_import_8b python3 benchmarks/hf_import.py --shape llama3-8b --dir /tmp/llama8b \
+      --out "$out/hf_import" --config configs/llama_8b_offload.yaml train.train_iters=3 \
+      data.dataset=synthetic optimizer.optimizer_offload_fraction=1.0
+    timed gpu_tests python3 -m pytest -q tests/test_gpu.py
+    ;;
+  13b)
+    timed plan_13b python3 -m jaxoffload.plan --config configs/llama_13b_offload.yaml
+    pick=$(grep '^  python -m jaxoffload.train ' "$out/plan_13b.log" | tail -1)
+    if [ -z "$pick" ]; then echo "plan_13b picked nothing"; exit 1; fi
+    timeout 400 ${pick/python/python3} train.train_iters=4 optimizer.clip_grad=0 \
+      logging.progress_bar=False logging.jsonl="$out/train_13b_pick.jsonl" \
+      > "$out/train_13b_pick.log" 2>&1
+    echo "train_13b_pick: exit $?; $(tail -1 "$out/train_13b_pick.log")"
+    ;;
+  8b)
+    moved="model.recompute_granularity=null model.cpu_offloading=True
+      model.cpu_offloading_num_layers=31 model.cpu_offloading_double_buffering=True"
+    compact="optimizer.exp_avg_dtype=bfloat16 optimizer.exp_avg_sq_dtype=bfloat16"
+    timeout 560 python3 -m jaxoffload.bench --config configs/llama_8b_offload.yaml --steps 5 \
+      --out "$out/bench_8b" --resume \
+      --setting "moved by the trainer=$moved" --setting "bf16 moments=$compact" \
+      --setting "bf16 moments, moved by the trainer=$moved $compact" \
+      data.dataset=synthetic model.cpu_offloading=False model.cpu_offloading_num_layers=0 \
+      model.recompute_granularity=selective optimizer.optimizer_offload_update_on=host_kernel \
+      optimizer.optimizer_offload_fraction=1.0 optimizer.accumulate_offloaded_grads_on=device \
+      optimizer.grad_accum_dtype=bfloat16 train.global_batch_size=32 train.micro_batch_size=8 \
+      optimizer.clip_grad=0 optimizer.lr_warmup_iters=10 > "$out/bench_8b.log" 2>&1
+    echo "bench_8b: exit $?"
+    ;;
+  *) echo "unknown part $part: 1b, 1b-clipped, plan, 13b or 8b" >&2; exit 2 ;;
+esac
