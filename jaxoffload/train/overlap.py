@@ -12,9 +12,10 @@ update is applied: the device computes the first layers while the host
 updates the later ones.
 The update is the single program's (exact, the same clipping); only when the
 host applies it moves. A step's host gradients leave the device as each
-layer's backward program ends. Without clipping (``optimizer.clip_grad=0``)
-the update needs no global norm, and the thread starts on each piece as soon
-as its gradient is on the host: during this step's backward pass. With
+layer's backward program ends, copied beside the next program (``_placed``).
+Without clipping (``optimizer.clip_grad=0``) the update needs no global norm,
+and the thread starts on each piece as soon as its gradient is on the host:
+during this step's backward pass. With
 clipping, after a step that did not clip, it starts so too, as if this step
 would not clip either (``optimizer.speculate_cpu_optimizer_step``,
 ``HostAdamW.hold(speculative=True)``); a step that does clip has its update
@@ -148,23 +149,38 @@ class OverlappedStep:
       return out
 
     self._chain(device_leaves, host_params, opt_state, tokens, run, None)
-    kept = sum(saved) + sum(fetched) + 2 * max(moved, default=0)
+    # The host kernel's gradients stay on the device until their copy ends: a program's
+    # and the one before's at most.
+    sent = self._per_piece(
+        lambda dtype, host: 0 if host is None else self.piece.wire[host].itemsize)
+    kept = sum(saved) + sum(fetched) + 2 * max(moved, default=0) + 2 * max(sent.values())
     grads = nbytes(jax.tree.leaves(device_leaves))
     if self.piece.micro_batches == 1:
       return dict(self._compiled), kept + grads
-    # Per piece (a layer of a group's leaves, or a whole parameter), its sums of every
-    # leaf's gradients and its device leaves' gradients.
-    sums, pieces = 0, {}
+    # Per piece, its sums of every leaf's gradients and its device leaves' gradients.
+    accumulated = self.setup.grad_accum_dtype.itemsize
+    sums = accumulated * sum(math.prod(sharding.shard_shape(x.shape)) for x, sharding in zip(
+        jax.tree.leaves(self.setup.param_shapes), jax.tree.leaves(self.setup.param_shardings)))
+    pieces = self._per_piece(
+        lambda dtype, host: accumulated + (0 if host is not None else dtype.itemsize))
+    return dict(self._compiled), kept + max(sums, grads) + max(pieces.values())
+
+  def _per_piece(self, element_bytes: Callable[[np.dtype, Optional[int]], int]
+                 ) -> dict[str, int]:
+    """Per piece of the model (a layer of a group's leaves, or a whole parameter), by name:
+    the bytes on one device of its leaves' elements at ``element_bytes(the leaf's dtype, its
+    position among the host kernel's leaves, or None)`` each."""
+    pieces, hosts = {}, 0
     paths, _ = jax.tree_util.tree_flatten_with_path(self.setup.param_shapes)
     for (path, x), sharding, host in zip(paths, jax.tree.leaves(self.setup.param_shardings),
                                          self.piece.programs.is_host):
-      elements = math.prod(sharding.shard_shape(x.shape))
-      sums += elements * self.setup.grad_accum_dtype.itemsize
       name = path[0].key
-      per_piece = elements // (x.shape[0] if name in self.piece.layer_groups else 1)
-      pieces[name] = pieces.get(name, 0) + per_piece * (
-          self.setup.grad_accum_dtype.itemsize + (0 if host else x.dtype.itemsize))
-    return dict(self._compiled), kept + max(sums, grads) + max(pieces.values())
+      elements = math.prod(sharding.shard_shape(x.shape)) // (
+          x.shape[0] if name in self.piece.layer_groups else 1)
+      pieces[name] = pieces.get(name, 0) + elements * element_bytes(
+          x.dtype, hosts if host else None)
+      hosts += host
+    return pieces
 
   def _chain(self, device_leaves, host_params, opt_state, tokens, run, host):
     """The step's programs in order, each through ``run(name, jitted, static args, *args)``;
@@ -304,10 +320,12 @@ class OverlappedStep:
 
   def _collect(self, grads: dict, squares: list, device_grads: dict, index: Any = None
                ) -> dict:
-    """Files a program's gradients: the rest by name; returns the host kernel's by piece."""
+    """Files a program's gradients: the rest by name; returns the host kernel's by piece,
+    each on its way to host memory (a copy that runs beside the device's next program)."""
     pieces = {}
     for name, (host, square_sum, device) in grads.items():
-      pieces.update(zip(self.piece.host_pieces(name, index), host))
+      if host:
+        pieces.update(zip(self.piece.host_pieces(name, index), _placed(host, PINNED_HOST)))
       squares.append(square_sum)
       device_grads.setdefault(name, []).append(device)
     return pieces

@@ -6,8 +6,9 @@ activations its pullback needs, a layer's without its weights and input,
 from those weights and input again), and the device optimizer's update. The
 host kernel's weights come to the device a piece at a time (``fetch``); each
 program that makes gradients either adds them into the micro-batches' sums or,
-for the step's last micro-batch, sends the host kernel's share to host memory
-in the dtype it travels in and keeps the rest.
+for the step's last micro-batch, makes the host kernel's share in the dtype it
+travels in, cut as the weights it updates (the step copies it to host memory as
+the program ends, beside the next program), and keeps the rest.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxoffload import layered, remat
-from jaxoffload._compat import DEVICE_KIND, to_device, to_host
+from jaxoffload._compat import DEVICE_KIND, to_device
 from jaxoffload.model import group_name
 from jaxoffload.train.grads import add_to_sum, micro_batch
 from jaxoffload.train.programs import StepPrograms, step_count
@@ -132,15 +133,16 @@ class PiecePrograms:
         [t.astype(jnp.float32) / n for t in sums]))
 
   def _split(self, name: str, grads: Any) -> tuple[list, jax.Array, list]:
-    """Parameter ``name``'s gradients: the host kernel's sent to host memory in the dtype they
-    travel in, the sum of their squares (in float32, as the host keeps them), the rest."""
+    """Parameter ``name``'s gradients: the host kernel's in the dtype they travel in, on the
+    device (``train.overlap`` copies them to host memory outside the program, so that the
+    copy runs beside the next one), the sum of their squares (in float32, as the host
+    keeps them), the rest."""
     host, device = [], []
     for g, h in zip(jax.tree.leaves(grads), self.is_host[name]):
       (host if h else device).append(g)
     ids = self.host_ids.get(name, [])
     square_sum = sum((jnp.sum(jnp.square(g.astype(jnp.float32))) for g in host), jnp.zeros(()))
-    sent = [to_host(jax.lax.with_sharding_constraint(g.astype(self.wire[i]),
-                                                     self.grad_shardings[i]))
+    sent = [jax.lax.with_sharding_constraint(g.astype(self.wire[i]), self.grad_shardings[i])
             for g, i in zip(host, ids)]
     return sent, square_sum, device
 
