@@ -1,4 +1,5 @@
-"""Shared test fixtures: a tree of mixed leaf sizes, gradients, and a reference training loop."""
+"""Shared test fixtures: a tree of mixed leaf sizes, gradients, a reference training loop, and
+the trainer's common overrides."""
 
 import re
 
@@ -6,6 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+# The trainer's overrides for half the optimizer state on the host kernel.
+HOST_KERNEL = ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5",
+               "optimizer.optimizer_offload_update_on=host_kernel"]
+QUIET = lambda _: None  # A trainer's log that prints nothing.
 
 
 def mixed_params(dtype=jnp.float32, seed=0):

@@ -18,10 +18,8 @@ from jaxoffload.train import Trainer, load_config, resolve, train
 from jaxoffload.train import checkpoints as ckpt
 from jaxoffload.train import host_checkpoint
 from jaxoffload.train.config import ConfigError
+from tests.helpers import HOST_KERNEL, QUIET
 
-QUIET = lambda _: None
-HOST_KERNEL = ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5",
-               "optimizer.optimizer_offload_update_on=host_kernel"]
 OFFLOAD = HOST_KERNEL[:2]
 
 

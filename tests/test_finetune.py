@@ -16,9 +16,9 @@ from jaxoffload.export import main as export_main
 from jaxoffload.model import Llama, next_token_loss
 from jaxoffload.train import ConfigError, Trainer, load_config, resolve, run, weights
 from jaxoffload.train.__main__ import main
+from tests.helpers import QUIET
 
 CHECKPOINT = "tests/fixtures/tiny_llama"
-QUIET = lambda _: None
 FINE_TUNE = [f"model.hf_checkpoint={CHECKPOINT}", "data.dataset=text", "model.seq_length=32",
              "train.global_batch_size=4", "train.micro_batch_size=4"]
 

@@ -14,16 +14,13 @@ import pytest
 
 from jaxoffload.model import group_name
 from jaxoffload.placement import leaf_path
-from jaxoffload.train import Trainer, advice, load_config, resolve, run, train, weights
+from jaxoffload.train import Trainer, advice, load_config, resolve, run, train
 from jaxoffload.train import optimizer as train_optimizer
 from jaxoffload.train.__main__ import main
 from jaxoffload.train.launch import COMMAND_BUFFER_FLAG, set_xla_flags
-from tests.helpers import max_rel_diff
+from tests.helpers import HOST_KERNEL, QUIET
 
 STEPS = 5
-QUIET = lambda _: None
-HOST_KERNEL = ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5",
-               "optimizer.optimizer_offload_update_on=host_kernel"]
 MOVED = ["model.cpu_offloading=True", "model.cpu_offloading_num_layers=2",
          "model.cpu_offloading_double_buffering=True"]
 
@@ -166,51 +163,6 @@ def test_losses_equal_the_baseline(overrides, baseline_losses):
   np.testing.assert_allclose(losses, baseline_losses, rtol=1e-5)
 
 
-@pytest.mark.parametrize("overrides", [
-    pytest.param(HOST_KERNEL, id="overlapped"),
-    pytest.param([*HOST_KERNEL, "optimizer.overlap_cpu_optimizer_d2h_h2d=False"], marks=SLOW,
-                 id="one-program"),
-])
-def test_unclipped_host_kernel_losses_equal_the_unclipped_baseline(overrides):
-  # Unclipped, the overlapped step's host update starts during the backward pass.
-  unclipped = [f"train.train_iters={STEPS}", "optimizer.clip_grad=0"]
-  whole_model = train(load_config(None, unclipped), log=QUIET)
-  np.testing.assert_allclose(train(load_config(None, [*unclipped, *overrides]), log=QUIET),
-                             whole_model, rtol=1e-5)
-
-
-# The tiny model's gradient norms over 8 steps: 0.81 0.74 0.79 0.91 0.86 1.1 1.38 1.42 (the
-# same over micro-batches, whose mean is the batch's gradient). At clip_grad=1, steps 2-6
-# start early, after an unclipped step, and step 6 clips.
-@SLOW
-@pytest.mark.parametrize("clip_grad, speculated, undone", [(1e6, 7, 0), (1.0, 5, 1)])
-@pytest.mark.parametrize("micro_batches", [
-    pytest.param([], id="one-micro-batch"),
-    pytest.param(["train.micro_batch_size=4", "optimizer.accumulate_offloaded_grads_on=device"],
-                 id="two-micro-batches")])
-def test_updates_started_before_their_clipping_equal_those_started_after_it(
-    clip_grad, speculated, undone, micro_batches):
-  def run(speculate):
-    setup = resolve(load_config(None, [
-        *HOST_KERNEL[:1], "optimizer.optimizer_offload_fraction=1.0", *HOST_KERNEL[2:],
-        f"optimizer.clip_grad={clip_grad}", f"optimizer.speculate_cpu_optimizer_step={speculate}",
-        *micro_batches]))
-    assert setup.overlaps_host_update
-    trainer = Trainer(setup, weights.initial(setup))
-    norms = [float(trainer.step(setup.global_batch(step))[1]) for step in range(8)]
-    trainer.host.finish()
-    np.testing.assert_array_equal(np.array(norms) > 1.0, np.arange(8) >= 5)
-    assert (trainer.host.speculated, trainer.host.undone) == (
-        (speculated, undone) if speculate else (0, 0))
-    return trainer.host.snapshot()
-
-  plain, started_early = run(False), run(True)
-  if undone:  # Taken back and applied clipped: a few float32 roundings apart.
-    assert 0 < max_rel_diff(started_early, plain) <= 1e-6
-  else:
-    assert all(np.array_equal(a, b) for a, b in zip(started_early, plain))
-
-
 @SLOW
 def test_clip_grad_zero_turns_clipping_off():
   def first_moments(clip_grad):
@@ -224,39 +176,6 @@ def test_clip_grad_zero_turns_clipping_off():
   b1 = load_config(None, []).optimizer.adam_beta1
   assert all(np.allclose(mu, (1 - b1) * 3.0, rtol=1e-6) for mu in first_moments(0))
   assert all(np.all(mu < 1e-3) for mu in first_moments(1.0))
-
-
-def test_the_host_kernel_overlaps_the_next_forward_pass_wherever_it_can():
-  trainer = lambda *more: Trainer.from_shapes(resolve(load_config(None, [*HOST_KERNEL, *more])))
-  assert trainer().overlapped is not None
-  assert trainer("optimizer.overlap_cpu_optimizer_d2h_h2d=False").overlapped is None
-  assert trainer("train.micro_batch_size=4").overlapped is None  # A program per micro-batch.
-  assert trainer("train.micro_batch_size=4",
-                 "optimizer.accumulate_offloaded_grads_on=device").overlapped is not None
-
-
-def test_the_step_runs_a_program_per_layer_without_offload_only_where_asked():
-  trainer = lambda *more: Trainer.from_shapes(resolve(load_config(None, list(more))))
-  assert trainer().overlapped is None
-  assert trainer("train.per_layer_step=True").overlapped is not None
-
-
-@SLOW
-@pytest.mark.parametrize("micro_batches", [
-    pytest.param([], id="one-micro-batch"),
-    pytest.param(["train.micro_batch_size=4", "optimizer.accumulate_offloaded_grads_on=device"],
-                 id="two-micro-batches")])
-def test_an_overlapped_update_of_a_shared_embedding_sums_both_its_gradients(micro_batches):
-  shared = [f"train.train_iters={STEPS}", "model.share_embeddings_and_output_weights=True",
-            *micro_batches]
-  whole_model = train(load_config(None, shared), log=QUIET)
-  overlapped = train(load_config(None, [*shared, *HOST_KERNEL[:1],
-                                        "optimizer.optimizer_offload_fraction=1.0",
-                                        *HOST_KERNEL[2:],
-                                        "optimizer.overlap_cpu_optimizer_d2h_h2d=True"]),
-                     log=QUIET)
-  assert whole_model[-1] < whole_model[0]
-  np.testing.assert_allclose(overlapped, whole_model, rtol=1e-5)
 
 
 @pytest.mark.parametrize("overrides", [
@@ -545,134 +464,3 @@ def test_bfloat16_parameters_train_close_to_float32(baseline_losses):
   losses = train(load_config(None, overrides), log=QUIET)
   # Within bfloat16's rounding of the float32 run's losses.
   np.testing.assert_allclose(losses, baseline_losses, rtol=1e-2)
-
-
-TWO_MICRO_BATCHES = ["train.micro_batch_size=4", "optimizer.accumulate_offloaded_grads_on=device"]
-
-
-@SLOW
-@pytest.mark.parametrize("micro_batches", [
-    pytest.param([], id="one-micro-batch"),
-    pytest.param(TWO_MICRO_BATCHES, id="two-micro-batches"),
-    pytest.param([*TWO_MICRO_BATCHES, "optimizer.optimizer_offload_fraction=0.3"],
-                 id="two-micro-batches-device-leaves")])
-def test_the_overlapped_steps_compiled_peak_bounds_what_its_programs_leave_on_the_device(
-    micro_batches):
-  # Wide layers, so that the host kernel's weights outweigh the activations: a second copy
-  # of them kept on the device would pass the estimate.
-  setup = resolve(load_config(None, [
-      *HOST_KERNEL[:1], "optimizer.optimizer_offload_fraction=1.0", *HOST_KERNEL[2:],
-      "model.hidden_size=512", "model.intermediate_size=1408", "model.seq_length=16",
-      *micro_batches]))
-  tokens = setup.global_batch(0)
-  estimate = Trainer.from_shapes(setup).compile(jax.ShapeDtypeStruct(
-      tokens.shape, tokens.dtype, sharding=tokens.sharding)).device_bytes
-  trainer = Trainer(setup, weights.initial(setup))
-  device_bytes = lambda: sum(a.nbytes for a in jax.live_arrays()
-                             if not a.is_deleted() and a.sharding.memory_kind == "device")
-  before, live = device_bytes(), []
-
-  def measured(program):
-    def run(*args):
-      out = jax.block_until_ready(program(*args))
-      live.append(device_bytes() - before)
-      return out
-    return run
-
-  pieces = trainer.overlapped.piece
-  for name in ("fetch", "forward", "embed_forward", "update"):
-    setattr(pieces, name, measured(getattr(pieces, name)))
-  for programs in (pieces.head_step, pieces.backward, pieces.embed_backward):
-    programs.update({adds: measured(program) for adds, program in programs.items()})
-  for step in range(2):
-    trainer.step(setup.global_batch(step))
-  assert len(live) > 4 * setup.model.num_layers
-  # What lives besides the parameters and state the trainer held before the step.
-  resident = sum(a.nbytes for a in jax.tree.leaves((trainer.params, trainer.opt_state))
-                 if a.sharding.memory_kind == "device")
-  assert max(live) <= estimate - resident, (max(live), estimate, resident)
-  device_grads = sum(a.nbytes for a in jax.tree.leaves(trainer.params)
-                     if a.sharding.memory_kind == "device")
-  if setup.offload.fraction < 1:  # The sums' pieces become these: counted once, not beside them.
-    assert estimate - resident - max(live) < device_grads, (max(live), estimate, resident)
-
-
-@pytest.mark.parametrize("recompute, takes_input", [("null", False), ("full", True)])
-def test_the_overlapped_step_keeps_a_layers_input_only_where_its_backward_pass_reads_it(
-    recompute, takes_input):
-  # Saving everything, the backward pass reads what the layer made of its input: a kept input
-  # would be a whole activation a layer held for nothing.
-  setup = resolve(load_config(None, [*HOST_KERNEL, f"model.recompute_granularity={recompute}"]))
-  trainer = Trainer(setup, weights.initial(setup))
-  pieces, inputs = trainer.overlapped.piece, []
-
-  def recording(program):
-    def run(name, last, device, fetched, index, x, *rest):
-      inputs.append(x)
-      return program(name, last, device, fetched, index, x, *rest)
-    return run
-
-  pieces.backward.update({adds: recording(p) for adds, p in pieces.backward.items()})
-  trainer.step(setup.global_batch(0))
-  assert len(inputs) == setup.model.num_layers
-  assert all((x is not None) == takes_input for x in inputs)
-
-
-@pytest.mark.slow
-def test_an_unclipped_overlapped_step_sends_no_gradient_ahead_of_the_hosts_update(monkeypatch):
-  # With no room ahead, each layer's backward program waits until the host has applied
-  # every gradient sent before it: the host never holds more than one program's.
-  from jaxoffload import held_update
-  from jaxoffload.train import overlap
-  monkeypatch.setattr(overlap, "GRADIENT_BYTES_AHEAD", 0)
-  pending = []
-  wait = held_update.HeldUpdate.wait_for_room
-
-  def recorded(self, limit):
-    wait(self, limit)
-    pending.append(self._pending)
-
-  monkeypatch.setattr(held_update.HeldUpdate, "wait_for_room", recorded)
-  config = load_config(None, [f"train.train_iters={STEPS}", *HOST_KERNEL[:1],
-                              "optimizer.optimizer_offload_fraction=1.0", *HOST_KERNEL[2:],
-                              "optimizer.clip_grad=0"])
-  assert resolve(config).overlaps_host_update
-  waited = train(config, log=QUIET)
-  assert pending == [0] * (STEPS * config.model.num_layers)
-  # Waiting changes no number.
-  monkeypatch.setattr(held_update.HeldUpdate, "wait_for_room", lambda self, limit: None)
-  assert train(config, log=QUIET) == waited
-
-
-@SLOW
-@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (the CPU backend has them in CI)")
-def test_moved_activations_leave_for_pinned_host_and_return_a_layer_ahead(monkeypatch):
-  from jaxoffload.train import overlap
-  original, moves = overlap._placed, []
-
-  def recorded(kept, memory_kind):  # Per call: from where, to where.
-    moves.append(({x.sharding.memory_kind for x in kept}, memory_kind))
-    return original(kept, memory_kind)
-
-  monkeypatch.setattr(overlap, "_placed", recorded)
-  mesh = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
-  params = {}
-  for moved in (False, True):
-    setup = resolve(load_config(None, [*MOVED[:2], *mesh,
-                                       f"model.cpu_offloading_double_buffering={moved}"]))
-    assert setup.runs_per_layer == moved
-    trainer = Trainer(setup)
-    for i in range(2):
-      trainer.step(setup.global_batch(i))
-    params[moved] = jax.tree.leaves(trainer.params)
-  # The same float32 steps as XLA's offload inside one program.
-  assert max_rel_diff(params[True], params[False]) <= 1e-6
-  # Per step, layers 0 and 1 leave after their forward programs; going backward, each comes
-  # back while the layer above it is popped for its backward program: a layer ahead.
-  device, host = {"device"}, {"pinned_host"}
-  step = [(device, "pinned_host"), (device, "pinned_host"),
-          (host, "device"),  # Popping layer 2 (not moved, as layer 3), layer 1 starts back.
-          (device, "device"),  # Layer 1, back already; layer 0 starts back.
-          (host, "device"),
-          (device, "device")]  # Layer 0.
-  assert moves == 2 * step
