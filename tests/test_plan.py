@@ -400,6 +400,62 @@ def test_a_combination_the_rules_refuse_at_every_fraction_is_a_row_that_says_why
   assert best is None and [r.verdict for r in rows] == [row.verdict]
 
 
+class _FakeLadder:
+  """A ladder whose bounds and fit are given: its least offload's time, the bound once its
+  most offload is compiled, and the time of the fit it verifies."""
+
+  def __init__(self, name, least_s, predicted_s, fit_s, calls):
+    self.name, self.place, self.calls = name, ("host_kernel", None), calls
+    self.times = least_s, predicted_s, fit_s
+
+  def row(self, step_s, verdict=""):
+    return fit.Candidate(self.name, 4, 0.5, "host_kernel", "-", "float32", 0.5, None, 0,
+                         step_s, (self.name,), verdict)
+
+  def least(self, budgets):
+    return self.row(self.times[0])
+
+  def predict(self, budgets, device_bytes):
+    self.calls.append((self.name, "most offload"))
+    return self.row(self.times[1])
+
+  def bound(self):
+    return self.times[1]
+
+  def verify(self, budgets, device_bytes):
+    self.calls.append((self.name, "fit"))
+    return self.row(self.times[2], "fits")
+
+
+def test_the_search_compiles_best_first_by_bounds_that_tighten_as_it_compiles():
+  calls = []
+  ladders = [_FakeLadder("a", 1.0, 3.0, 3.0, calls), _FakeLadder("b", 2.0, 4.0, 4.0, calls),
+             _FakeLadder("c", 5.0, 6.0, 6.0, calls),
+             # The pick's setting again (as without offload, where placements are one
+             # setting), pruned: its row is the pick's.
+             _FakeLadder("a", 3.0, 3.0, 3.0, calls)]
+  best, rows = fit.search(ladders, fit.Budgets(device=10**9, host=10**12))
+  # b's most offload predicts a fit slower than a's verified one: never compiled there;
+  # c's least offload is slower already: never compiled at all.
+  assert calls == [("a", "most offload"), ("b", "most offload"), ("a", "fit")]
+  assert best.activations == "a" and len(rows) == 3
+  assert {r.activations: r.verdict for r in rows} == {
+      "a": "fits", "b": "compiled at its most offload: predicted slower than the pick",
+      "c": "not compiled: slower than the pick"}
+
+
+def test_a_ladder_whose_offload_the_rules_refuse_says_why_at_its_own_micro_batch():
+  config = load_config(None, ["train.global_batch_size=8", "train.micro_batch_size=4",
+                              "model.cpu_offloading=True", "model.cpu_offloading_num_layers=2",
+                              "model.cpu_offloading_double_buffering=True"])
+  ladder = fit.Ladder(config, "moved", ["train.micro_batch_size=2"], ("host_kernel", "host"),
+                      MACHINE, None, 0)
+  row = ladder.least(fit.Budgets(device=10**12, host=10**12))
+  assert row.micro_batch_size == 2
+  assert row.verdict.startswith("refused: model.cpu_offloading_double_buffering=True runs the "
+                                "model a program per layer: with several micro-batches")
+
+
 @pytest.mark.parametrize("grows", [False, True], ids=["as-predicted", "mispredicted"])
 def test_a_ladder_compiles_its_most_offload_then_where_that_peak_predicts_a_fit(monkeypatch,
                                                                                 grows):

@@ -8,6 +8,7 @@ activation setting and micro-batch size; the planner (``jaxoffload.plan``) runs 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 from typing import Callable, Optional
 
@@ -153,35 +154,46 @@ def search(ladders: list[Ladder], budgets: Budgets) -> tuple[Optional[Candidate]
   """The fastest candidate of ``ladders`` that fits ``budgets``, and each ladder's outcome,
   fastest first.
 
-  A ladder's least fraction whose state alone fits (found without compiling) bounds its
-  step time from below; ladders are tried fastest bound first, until the pick is faster
-  than every bound left. A ladder is compiled at its most offload (if that does not fit,
-  neither does a larger micro-batch of its activation setting), then where that peak
-  predicts the least fit (``Ladder.smallest_fitting``); where the device's budget is
-  unknown, not at all.
+  Best first, by a bound on each ladder's step time that tightens as it is compiled: at
+  first its least fraction whose state alone fits (found without compiling); once its
+  most offload is compiled (if that does not fit, neither does a larger micro-batch of
+  its activation setting), a layer-sized step below where that peak predicts the least
+  fit (``Ladder.predict``); then the fit itself, compiled there (``Ladder.verify``). The
+  search stops once the pick is faster than every bound left; where the device's budget
+  is unknown, nothing is compiled.
   """
   rows = {n: ladder.least(budgets) for n, ladder in enumerate(ladders)}
   device_bytes = {}  # Per setting's overrides, its compiled step's device peak.
   # Per activation setting and placement, the least micro-batch that cannot fit.
   best, too_large = None, {}
-  for n in sorted((n for n, row in rows.items() if not row.verdict),
-                  key=lambda n: rows[n].step_s):
-    row = rows[n]
-    if best is not None and row.step_s >= best.step_s:
-      rows[n] = dataclasses.replace(row, verdict="not compiled: slower than the pick")
-    elif row.micro_batch_size >= too_large.get((row.activations, ladders[n].place), math.inf):
+  queue = [(row.step_s, n, False) for n, row in rows.items() if not row.verdict]
+  heapq.heapify(queue)
+  while queue:
+    bound, n, predicted = heapq.heappop(queue)
+    row, ladder = rows[n], ladders[n]
+    setting = row.activations, ladder.place
+    if best is not None and bound >= best.step_s:
+      rows[n] = dataclasses.replace(row, verdict=(
+          "compiled at its most offload: predicted slower than the pick" if predicted
+          else "not compiled: slower than the pick"))
+    elif predicted:
+      rows[n] = ladder.verify(budgets, device_bytes)
+      if rows[n].verdict == "fits" and (best is None or rows[n].step_s < best.step_s):
+        best = rows[n]
+    elif row.micro_batch_size >= too_large.get(setting, math.inf):
       rows[n] = dataclasses.replace(row, verdict="not compiled: a smaller micro-batch does "
                                                  "not fit the device")
     else:
-      rows[n] = ladders[n].smallest_fitting(budgets, device_bytes)
+      rows[n] = ladder.predict(budgets, device_bytes)
       if rows[n].verdict == "no: device":
-        setting = row.activations, ladders[n].place
         too_large[setting] = min(row.micro_batch_size, too_large.get(setting, math.inf))
-      if rows[n].verdict == "fits" and (best is None or rows[n].step_s < best.step_s):
+      elif not rows[n].verdict:  # Compiled where the device's budget is known.
+        heapq.heappush(queue, (ladder.bound(), n, True))
+      elif rows[n].verdict == "fits" and (best is None or rows[n].step_s < best.step_s):
         best = rows[n]
-  # Without offload, both placements are one setting: its row once.
+  # Without offload, both placements are one setting: its row once, the pick's where it is.
   unique = {}
-  for n in sorted(rows, key=lambda n: rows[n].step_s):
+  for n in sorted(rows, key=lambda n: (rows[n].step_s, rows[n] != best)):
     unique.setdefault(rows[n].overrides, rows[n])
   return best, list(unique.values())
 
@@ -202,6 +214,8 @@ class Ladder:
     self._least: Optional[int] = None
     self._refusal = ""  # Why the config's rules refused a step, the last one they did.
     self._resident: dict[int, int] = {}
+    self._compiled: dict[int, Candidate] = {}  # Per step compiled, its row with its peak.
+    self._guess = 0  # The least step the most offload's peak predicts to fit (``predict``).
 
   def judge(self, step: int) -> Optional[tuple[Setup, Candidate]]:
     """Step ``step``'s setup and candidate (not compiled); None where a rule refuses it."""
@@ -231,56 +245,79 @@ class Ladder:
         or self.resident_bytes(step) <= (1 - DEVICE_HEADROOM) * budgets.device)
     self._least = _first(0, self.steps, resident_fits)
     if self._least is None:
-      last = self.judge(self.steps) or self.judge(0)
-      if last is None:  # Every step refused: a row that says why, never compiled.
-        return Candidate(self.name, self.config.train.micro_batch_size, 0.0, self.place[0],
+      most = self.judge(self.steps)
+      if most is None:  # Its offload refused: a row that says why, never compiled. (Without
+        # offload it is another placement's setting.)
+        sizes = [o.split("=")[1] for o in self.base if o.startswith("train.micro_batch_size=")]
+        size = int(sizes[-1]) if sizes else self.config.train.micro_batch_size
+        return Candidate(self.name, size, 0.0, self.place[0],
                          "-", "-", 0.0, None, 0, math.inf, tuple(self.base),
                          f"refused: {self._refusal}")
-      return dataclasses.replace(last[1], verdict="no: device (its state alone)")
+      return dataclasses.replace(most[1], verdict="no: device (its state alone)")
     candidate = self.judge(self._least)[1]
     return candidate if budgets.fits_host(candidate) else dataclasses.replace(
         candidate, verdict="no: host")
 
   def smallest_fitting(self, budgets: Budgets, device_bytes: dict) -> Candidate:
     """The least offload whose compiled step fits the device, and whether it fits the host;
-    or the most offloaded one tried, which does not fit the device. ``device_bytes`` holds
-    the device peaks compiled so far, by overrides, and gets this ladder's. Where the
-    device's budget is unknown (CPUs) nothing is compiled: the host's decides."""
+    or the most offloaded one tried, which does not fit the device (``predict``, then
+    ``verify``). ``device_bytes`` holds the device peaks compiled so far, by overrides, and
+    gets this ladder's. Where the device's budget is unknown (CPUs) nothing is compiled:
+    the host's decides."""
+    row = self.predict(budgets, device_bytes)
+    return self.verify(budgets, device_bytes) if not row.verdict else row
+
+  def predict(self, budgets: Budgets, device_bytes: dict) -> Candidate:
+    """The most offload compiled: its row where it does not fit the device (then nothing
+    does); else the least offload its peak predicts to fit, not yet compiled (its verdict
+    empty; ``bound``, ``verify``). Its peak less its resident state (activations,
+    gradients, temporaries), with another fraction's resident state, predicts that
+    fraction's peak. Where the device's budget is unknown, the least offload, judged by
+    the host alone."""
     if budgets.device is None:  # No budget to judge a peak against: the least offload wins.
       candidate = self.judge(self._least)[1]
       return dataclasses.replace(candidate, verdict="fits" if budgets.fits_host(candidate)
                                  else "no: host")
-    compiled = {}
-
-    def fits(step):
-      setup, candidate = self.judge(step)
-      if candidate.overrides not in device_bytes:
-        tokens = setup.global_batch(0)
-        device_bytes[candidate.overrides] = Trainer.from_shapes(setup).compile(
-            jax.ShapeDtypeStruct(tokens.shape, tokens.dtype, sharding=tokens.sharding)
-        ).device_bytes
-      compiled[step] = dataclasses.replace(candidate,
-                                           device_bytes=device_bytes[candidate.overrides])
-      return budgets.fits_device(compiled[step])
-
-    # The most offload first: where it does not fit, nothing does. Its peak less its
-    # resident state (activations, gradients, temporaries), with another fraction's resident
-    # state, predicts that fraction's peak: the least that fits by the prediction is
-    # compiled next, then the step below it, and only a wrong prediction bisects.
-    if not fits(self.steps):
-      return dataclasses.replace(compiled[self.steps], verdict="no: device")
-    others = compiled[self.steps].device_bytes - self.resident_bytes(self.steps)
+    self._compiled = {}
+    if not self._fits(self.steps, budgets, device_bytes):
+      return dataclasses.replace(self._compiled[self.steps], verdict="no: device")
+    others = self._compiled[self.steps].device_bytes - self.resident_bytes(self.steps)
     predicted = lambda step: budgets.fits_device(dataclasses.replace(
         self.judge(step)[1], device_bytes=others + self.resident_bytes(step)))
-    guess = _first(self._least, self.steps, predicted)
+    self._guess = _first(self._least, self.steps, predicted)
+    return self.judge(self._guess)[1]
+
+  def bound(self) -> float:
+    """Once ``predict`` compiled, the least step time ``verify`` can find: a layer-sized step
+    below the predicted fit, which it also tries."""
+    return self.judge(max(self._guess - 1, self._least))[1].step_s
+
+  def verify(self, budgets: Budgets, device_bytes: dict) -> Candidate:
+    """After ``predict``: the predicted fit compiled, and the step below it where that fits
+    too; where it does not (a wrong prediction), a bisection above it."""
+    fits = lambda step: self._fits(step, budgets, device_bytes)
+    guess = self._guess
     if not fits(guess):
       step = _first(guess + 1, self.steps, fits)
     elif guess > self._least and fits(guess - 1):
       step = _first(self._least, guess - 1, fits)
     else:
       step = guess
-    return dataclasses.replace(compiled[step], verdict="fits" if budgets.fits_host(
-        compiled[step]) else "no: host")
+    return dataclasses.replace(self._compiled[step], verdict="fits" if budgets.fits_host(
+        self._compiled[step]) else "no: host")
+
+  def _fits(self, step: int, budgets: Budgets, device_bytes: dict) -> bool:
+    """Whether step ``step``'s compiled peak fits the device; its row, with that peak, kept
+    in ``_compiled``."""
+    setup, candidate = self.judge(step)
+    if candidate.overrides not in device_bytes:
+      tokens = setup.global_batch(0)
+      device_bytes[candidate.overrides] = Trainer.from_shapes(setup).compile(
+          jax.ShapeDtypeStruct(tokens.shape, tokens.dtype, sharding=tokens.sharding)
+      ).device_bytes
+    self._compiled[step] = dataclasses.replace(candidate,
+                                               device_bytes=device_bytes[candidate.overrides])
+    return budgets.fits_device(self._compiled[step])
 
   def resident_bytes(self, step: int) -> int:
     """The device bytes step ``step``'s parameters and optimizer state hold between steps."""
