@@ -2,7 +2,8 @@
 
 XLA's host computation (``compute_on('device_host')``) runs on one core; a
 numba kernel uses them all (docs/performance.md#host-adam). ``adamw_update``
-applies one AdamW step in place, with optax.adamw's arithmetic, on every core
+applies one AdamW step in place, with optax.adamw's arithmetic (the bias
+corrections multiplied by their reciprocals: a rounding apart), on every core
 numba is allowed. It takes float32 or bfloat16 gradients; float32 weights,
 bfloat16 weights with the 16-bit remainders that make them an exact float32
 master (a device reads the bfloat16 half), or bfloat16 weights alone; and

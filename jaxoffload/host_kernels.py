@@ -171,7 +171,8 @@ def step_kernel(grad_is_bf16: bool, weights: str, mu: str, nu: str):
     # Element i's moments stored (8-bit ones encoded with their block's new scale) and its
     # weight updated: bias correction, decoupled weight decay, learning rate. The update
     # reads the new moments before they are stored rounded, as jaxoffload.adam does.
-    (_, lr, _, _, _, _, eps, weight_decay, bias1, bias2, mu_salt, nu_salt, param_salt) = hyper
+    (_, lr, _, _, _, _, eps, weight_decay, inverse_bias1, inverse_bias2, mu_salt, nu_salt,
+     param_salt) = hyper
     if mu_codes:
       mu[i] = _encode(m, mu_inverse, True)
     elif mu_bf16:
@@ -190,7 +191,7 @@ def step_kernel(grad_is_bf16: bool, weights: str, mu: str, nu: str):
       p = _widen(param[i])
     else:
       p = param[i]
-    new = p - lr * ((m / bias1) / (np.sqrt(v / bias2) + eps) + weight_decay * p)
+    new = p - lr * ((m * inverse_bias1) / (np.sqrt(v * inverse_bias2) + eps) + weight_decay * p)
     if split:
       param[i] = _split_high(new)
       remainder[i] = _split_low(new)
@@ -205,8 +206,9 @@ def step_kernel(grad_is_bf16: bool, weights: str, mu: str, nu: str):
            b1, b2, one_minus_b1, one_minus_b2, eps, weight_decay, bias1, bias2, mu_salt,
            nu_salt, param_salt):
     zero = np.float32(0)
-    hyper = (grad_scale, lr, b1, b2, one_minus_b1, one_minus_b2, eps, weight_decay, bias1,
-             bias2, mu_salt, nu_salt, param_salt)
+    # The bias corrections' reciprocals, multiplied by: a division an element costs more.
+    hyper = (grad_scale, lr, b1, b2, one_minus_b1, one_minus_b2, eps, weight_decay,
+             np.float32(1) / bias1, np.float32(1) / bias2, mu_salt, nu_salt, param_salt)
     if not coded:
       for i in numba.prange(param.size):
         m, v = moments(i, grad, mu, zero, nu, zero, hyper)
@@ -255,11 +257,12 @@ def undo_kernel(grad_is_bf16: bool, split: bool):
            eps, decay, bias1, bias2):
     # The step's update is a function of the new moments; the weight decay, a factor on the
     # old weight: new = old * (1 - lr * weight_decay) - lr * update.
+    inverse_bias1, inverse_bias2 = np.float32(1) / bias1, np.float32(1) / bias2  # As the step.
     for i in numba.prange(param.size):
       g = (_widen(grad[i]) if grad_is_bf16 else grad[i]) * grad_scale
       m = mu[i]
       v = nu[i]
-      update = (m / bias1) / (np.sqrt(v / bias2) + eps)
+      update = (m * inverse_bias1) / (np.sqrt(v * inverse_bias2) + eps)
       p = _join(param[i], remainder[i]) if split else param[i]
       old = (p + lr * update) / decay
       if split:
