@@ -14,7 +14,8 @@ import pytest
 from jaxoffload.model import Llama, LlamaConfig, next_token_loss
 from jaxoffload.params import init_params
 from jaxoffload.train import __main__ as train_main
-from jaxoffload.train import advice, load_config, metrics, run
+from jaxoffload.train import advice, levers, load_config, metrics, resolve, run
+from jaxoffload.train.step import Trainer
 
 
 @pytest.mark.parametrize("config", [
@@ -106,9 +107,29 @@ def test_out_of_device_memory_names_the_keys_and_writes_the_memory_profile(tmp_p
   profile = err[0].split("what the device held: ")[1]
   assert err[0].startswith("error: out of device memory: RESOURCE_EXHAUSTED: Out of memory")
   assert os.path.dirname(profile) == str(tmp_path) and os.path.getsize(profile) > 0
-  assert err[1] == ("Lower it with: optimizer.optimizer_cpu_offload=True with "
-                    "optimizer.optimizer_offload_fraction; a smaller train.micro_batch_size (now "
-                    "8); model.recompute_granularity=selective or full (docs/config.md).")
+  # Each lever once, as the setting to make, with what it frees.
+  assert re.fullmatch(
+      r"Lower it with: optimizer.optimizer_cpu_offload=True optimizer.optimizer_offload_fraction"
+      r"=1.0 \(frees about \d+ MB\); train.micro_batch_size=4 \(now 8; frees about \d+ MB\); "
+      r"model.recompute_granularity=selective \(frees about \d+ MB\); "
+      r"model.recompute_granularity=full \(frees about \d+ MB\) \(docs/config.md\).", err[1])
+
+
+@pytest.mark.parametrize("lever", ["train.micro_batch_size=4", "model.recompute_granularity=full",
+                                   "model.recompute_granularity=selective"])
+def test_what_a_device_lever_frees_is_near_what_xla_compiles(lever):
+  # On a CPU every buffer counts as device memory: for these levers, which move no state to
+  # the host, XLA's compiled peaks of the step with and without the lever are the reference.
+  def compiled(setup):
+    tokens = setup.global_batch(0)
+    return Trainer.from_shapes(setup).compile(jax.ShapeDtypeStruct(
+        tokens.shape, tokens.dtype, sharding=tokens.sharding)).device_bytes
+
+  base = resolve(load_config(None, []))
+  other = resolve(load_config(None, [lever]))
+  (named,) = levers.device_figures(base, [lever])
+  freed = float(re.search(r"frees about (\d+) MB", named).group(1)) * 1e6
+  assert freed == pytest.approx(compiled(base) - compiled(other), rel=0.35, abs=0.5e6)
 
 
 def test_out_of_pinned_host_memory_names_the_pool_limit(capsys, monkeypatch):
@@ -140,6 +161,12 @@ def test_out_of_pinned_host_memory_names_the_pool_limit(capsys, monkeypatch):
      ["optimizer.optimizer_offload_update_on=host_kernel (the device then holds no float32 "
       "weights or gradients of the offloaded leaves)", "optimizer.grad_accum_dtype=bfloat16",
       "model.recompute_granularity=full"]),
+    # A micro-batch whose half does not divide the global batch: one sequence.
+    (["train.global_batch_size=6", "train.micro_batch_size=3", "model.cpu_offloading=True",
+      "model.cpu_offloading_num_layers=1"],
+     ["optimizer.optimizer_cpu_offload=True optimizer.optimizer_offload_fraction=1.0",
+      "train.micro_batch_size=1 (now 3)", "optimizer.grad_accum_dtype=bfloat16",
+      "model.cpu_offloading_num_layers=3 (now 1)"]),
 ])
 def test_out_of_memory_advice_names_only_levers_not_at_their_limit(overrides, named):
   assert advice.device_memory_levers(load_config(None, overrides)) == named

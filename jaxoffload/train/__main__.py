@@ -25,10 +25,11 @@ from typing import Optional
 
 import jax
 
-from jaxoffload.train import advice, host_memory, launch
+from jaxoffload.train import advice, host_memory, launch, levers
 from jaxoffload.train.config import ConfigError
 from jaxoffload.train.loading import load_config
 from jaxoffload.train.loop import train
+from jaxoffload.train.resolve import resolve
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -58,8 +59,8 @@ def main(argv: Optional[list[str]] = None) -> None:
       _exit(_pinned_pool_message(str(error)), 1)
     profile = _memory_profile(config)
     resolved = getattr(error, "resolved_config", config)
-    levers = advice.device_memory_levers(resolved) if resolved is not None else []
-    hint = (f"Lower it with: {'; '.join(levers)} (docs/config.md)." if levers else
+    named = _device_levers(resolved) if resolved is not None else []
+    hint = (f"Lower it with: {'; '.join(named)} (docs/config.md)." if named else
             "Every setting that lowers device memory is at its limit: a smaller model or "
             "model.seq_length, or more devices (mesh.fsdp).")
     _exit(f"error: out of device memory: {str(error).splitlines()[0]}; what the device held: "
@@ -78,6 +79,16 @@ def _pinned_pool_message(error: str) -> str:
   return (f"error: out of XLA's pinned host memory: {error.splitlines()[0]}; each GPU's pool "
           f"stops at {variable}={limit} GiB{by}: start again with {variable} set higher, "
           f"within the host's free memory")
+
+
+def _device_levers(config) -> list[str]:
+  """``advice.device_memory_levers`` of ``config``, each with what it frees where the
+  arithmetic can be done (``levers.device_figures``)."""
+  named = advice.device_memory_levers(config)
+  try:
+    return levers.device_figures(resolve(config), named)
+  except (ConfigError, ValueError):
+    return named
 
 
 def _memory_profile(config) -> str:

@@ -71,24 +71,28 @@ def switched_off(config: Config) -> list[str]:
 
 def device_memory_levers(config: Config) -> list[str]:
   """The settings that would lower ``config``'s device memory from where it stands, none
-  already at its limit: what an out-of-memory error names."""
+  already at its limit, each as ``key=value``s to set and a note: what an out-of-memory
+  error names (``levers.device_figures`` adds what each frees)."""
   m, o, t = config.model, config.optimizer, config.train
   levers = []
   if not o.optimizer_cpu_offload:
-    levers.append("optimizer.optimizer_cpu_offload=True with optimizer.optimizer_offload_fraction")
+    levers.append("optimizer.optimizer_cpu_offload=True optimizer.optimizer_offload_fraction=1.0")
   elif o.optimizer_offload_fraction != "auto" and o.optimizer_offload_fraction < 1.0:
-    levers.append(f"a larger optimizer.optimizer_offload_fraction (now "
-                  f"{o.optimizer_offload_fraction})")
+    levers.append(f"optimizer.optimizer_offload_fraction=1.0 (now {o.optimizer_offload_fraction})")
   if o.optimizer_cpu_offload and o.optimizer_offload_update_on in ("device", "host"):
     levers.append("optimizer.optimizer_offload_update_on=host_kernel (the device then holds "
                   "no float32 weights or gradients of the offloaded leaves)")
   if t.micro_batch_size > 1:
-    levers.append(f"a smaller train.micro_batch_size (now {t.micro_batch_size})")
+    half = t.micro_batch_size // 2
+    smaller = half if t.global_batch_size % half == 0 else 1
+    levers.append(f"train.micro_batch_size={smaller} (now {t.micro_batch_size})")
   if micro_batches(config) > 1 and o.grad_accum_dtype != "bfloat16":
     levers.append("optimizer.grad_accum_dtype=bfloat16")
+  if m.recompute_granularity is None and not m.cpu_offloading:
+    levers.append("model.recompute_granularity=selective")
   if m.recompute_granularity != "full" and not m.cpu_offloading:
-    levers.append("model.recompute_granularity=full" if m.recompute_granularity
-                  else "model.recompute_granularity=selective or full")
+    levers.append("model.recompute_granularity=full")
   if m.cpu_offloading and m.cpu_offloading_num_layers < m.num_layers - 1:
-    levers.append(f"more model.cpu_offloading_num_layers (now {m.cpu_offloading_num_layers})")
+    levers.append(f"model.cpu_offloading_num_layers={m.num_layers - 1} (now "
+                  f"{m.cpu_offloading_num_layers})")
   return levers

@@ -1,21 +1,29 @@
-"""The settings that lower a run's host memory from where it stands, and what it needs with each.
+"""The settings that lower a run's host or device memory from where it stands, with figures.
 
-``lowering_keys`` names them per part of the guard's arithmetic
+``lowering_keys`` names the host's per part of the guard's arithmetic
 (``train.host_memory.needed``), none already at its limit; ``with_figures``
 gives each the run's need with it set, reckoned from shapes alone, so that a
-refusal says how far each would go.
+refusal says how far each would go. ``device_figures`` does the same for the
+device levers an out-of-memory error names (``advice.device_memory_levers``):
+what each frees of ``device_need``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
 
+from jaxoffload import layered, remat
 from jaxoffload.memory import size
+from jaxoffload.model import group_name
 from jaxoffload.train.config import ConfigError
 from jaxoffload.train.loading import override
 from jaxoffload.train.resolve import Setup, variant
+from jaxoffload.train.step import Trainer, resident_device_bytes
 
 # Levers named by their key alone: their figure is at half the run's value.
 HALVED = ("optimizer.optimizer_offload_fraction", "model.cpu_offloading_num_layers",
@@ -66,10 +74,69 @@ def with_figures(setup: Setup, keys: list[str], need: Callable[[Setup], int]) ->
     except (ConfigError, ValueError):
       out.append(key)
       continue
-    # Inside a note the lever already carries: "key=value (why; needs N GB)".
-    out.append(f"{setting[:-1]}; needs {figure})" if setting.endswith(")")
-               else f"{setting} (needs {figure})")
+    out.append(_noted(setting, f"needs {figure}"))
   return out
+
+
+def device_figures(setup: Setup, settings: list[str]) -> list[str]:
+  """Each of ``settings`` (space-separated ``key=value``s, then a note in parentheses or
+  none) with what it would free of one device's memory (``device_need``); one no run
+  could take, as it is."""
+  need, out = device_need(setup), []
+  for setting in settings:
+    try:
+      other = variant(setup, override(setup.config, setting.split(" (")[0].split()))
+    except (ConfigError, ValueError):
+      out.append(setting)
+      continue
+    out.append(_noted(setting, f"frees about {size(need - device_need(other))}"))
+  return out
+
+
+def device_need(setup: Setup) -> int:
+  """What one device holds at the step's peak, reckoned from shapes: the parameters and
+  optimizer state it keeps, the gradients it makes with their sums over micro-batches (the
+  host kernel's weights and gradients only a layer at a time where the step runs a program
+  per layer or sums them on the host; whole otherwise), and what each layer keeps on the
+  device for its backward pass (``layered.layer_forward``'s leaves, offloaded ones left
+  out). XLA's temporaries are not counted: a lever's figure is a difference of two."""
+  trainer = Trainer.from_shapes(setup)
+  shard = lambda x, sharding: math.prod(sharding.shard_shape(x.shape))
+  leaves = list(zip(jax.tree.leaves(setup.param_shapes), jax.tree.leaves(setup.param_shardings),
+                    trainer.programs.is_host))
+  by_layer = setup.runs_per_layer or setup.sums_on_host  # The host kernel's pieces.
+  grads = sum(shard(x, s) * 4 for x, s, host in leaves if not (host and by_layer))
+  host_weights = 0 if by_layer else sum(
+      shard(x, s) * dtype.itemsize for (x, s, _), dtype in zip(
+          [leaf for leaf in leaves if leaf[2]], setup.weight_transfer_dtypes))
+  sums = (sum(shard(x, s) for x, s, host in leaves if not (host and setup.sums_on_host))
+          * setup.grad_accum_dtype.itemsize if setup.micro_batches > 1 else 0)
+  kept = sum((g.stop - g.start) * _kept_bytes(setup, g) for g in setup.groups)
+  return (resident_device_bytes(trainer) + host_weights + grads + sums
+          + kept // setup.mesh.size)
+
+
+def _kept_bytes(setup: Setup, group: remat.LayerGroup) -> int:
+  """What a layer of ``group`` keeps on the device for its backward pass, a micro-batch's
+  (all devices'): its offloaded activations recomputed instead, for the arithmetic."""
+  if group.placements is not None:
+    group = dataclasses.replace(group, placements={
+        name: remat.Placement.RECOMPUTE if p is remat.Placement.OFFLOAD else p
+        for name, p in remat.check_placements(group.placements).items()})
+  m = setup.config.model
+  params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype),
+                        setup.param_shapes[group_name(group)])
+  x = jax.ShapeDtypeStruct((setup.config.train.micro_batch_size, m.seq_length, m.hidden_size),
+                           jnp.dtype(m.dtype))
+  kept = jax.eval_shape(lambda p, x: layered.layer_forward(setup.llama, group, p, x)[2],
+                        params, x)
+  return sum(k.size * k.dtype.itemsize for k in jax.tree.leaves(kept))
+
+
+def _noted(setting: str, figure: str) -> str:
+  """``setting`` with ``figure`` inside the note it carries, or as one: "key=value (why;
+  figure)"."""
+  return f"{setting[:-1]}; {figure})" if setting.endswith(")") else f"{setting} ({figure})"
 
 
 def _setting(setup: Setup, key: str) -> str:
