@@ -1,6 +1,7 @@
 #!/bin/bash
 # The runs behind docs/performance.md's headline rows on one H200, a part per device call
-# (each under the device tool's 10 minutes; a part cut short resumes where it stopped):
+# (each within the device tool's 10 minutes; the bench parts, cut short, resume where they
+# stopped when run again into the same OUT):
 #   PYTHONPATH=. bash benchmarks/h200_headlines.sh PART OUT
 # PART:
 #   1b          the 1.1B shape unclipped, side by side: the baseline as one program and as a
@@ -8,8 +9,9 @@
 #               hand-set placement; compact moments at 1.0; activation offload of 21 layers,
 #               moved by XLA and by the trainer
 #   1b-clipped  the same with clip_grad=1
-#   plan        the planner on the 8B shape (its time, and no XLA log line in its output), the
-#               8B import, the GPU tests
+#   plan        the planner on the 8B shape (its time, and no XLA log line in its output), and
+#               the GPU tests
+#   import      the 8B Hugging Face import (run N's command), trained 3 steps and exported
 #   13b         the planner on the 13B shape, then its pick trained for 4 steps, unclipped
 #   8b          the 8B shape at 1.0 on the host kernel: selective recompute against activations
 #               moved by the trainer, exact and with bfloat16 moments
@@ -29,10 +31,10 @@ bench_1b() {  # name, overrides common to every setting...
   echo "$name: exit $?"
 }
 
-timed() {  # name, command...: its output and wall time, and how many XLA log lines it printed
-  local name=$1; shift
+timed() {  # name, seconds, command...: its output, wall time and XLA log lines printed
+  local name=$1 limit=$2; shift 2
   local start=$SECONDS
-  timeout 300 "$@" > "$out/$name.log" 2>&1
+  timeout "$limit" "$@" > "$out/$name.log" 2>&1
   local status=$?
   echo "$name: exit $status in $((SECONDS - start)) s;" \
     "$(grep -cE '^[EWI][0-9]{4} ' "$out/$name.log") XLA log lines"
@@ -42,18 +44,20 @@ case $part in
   1b) bench_1b bench_1b_unclipped optimizer.clip_grad=0 ;;
   1b-clipped) bench_1b bench_1b_clipped optimizer.clip_grad=1 ;;
   plan)
-    timed plan_8b python3 -m jaxoffload.plan --config configs/llama_8b_offload.yaml \
+    timed plan_8b 300 python3 -m jaxoffload.plan --config configs/llama_8b_offload.yaml \
       data.dataset=synthetic
-    timed hf_import_8b python3 benchmarks/hf_import.py --shape llama3-8b --dir /tmp/llama8b \
-      --out "$out/hf_import" --config configs/llama_8b_offload.yaml train.train_iters=3 \
-      data.dataset=synthetic optimizer.optimizer_offload_fraction=1.0
-    timed gpu_tests python3 -m pytest -q tests/test_gpu.py
+    timed gpu_tests 240 python3 -m pytest -q tests/test_gpu.py
+    ;;
+  import)
+    timed hf_import_8b 560 python3 benchmarks/hf_import.py --shape llama3-8b \
+      --dir /tmp/llama8b --out "$out/hf_import" --config configs/llama_8b_offload.yaml \
+      train.train_iters=3 data.dataset=synthetic optimizer.optimizer_offload_fraction=1.0
     ;;
   13b)
-    timed plan_13b python3 -m jaxoffload.plan --config configs/llama_13b_offload.yaml
+    timed plan_13b 200 python3 -m jaxoffload.plan --config configs/llama_13b_offload.yaml
     pick=$(grep '^  python -m jaxoffload.train ' "$out/plan_13b.log" | tail -1)
     if [ -z "$pick" ]; then echo "plan_13b picked nothing"; exit 1; fi
-    timeout 400 ${pick/python/python3} train.train_iters=4 optimizer.clip_grad=0 \
+    timeout 360 ${pick/python/python3} train.train_iters=4 optimizer.clip_grad=0 \
       logging.progress_bar=False logging.jsonl="$out/train_13b_pick.jsonl" \
       > "$out/train_13b_pick.log" 2>&1
     echo "train_13b_pick: exit $?; $(tail -1 "$out/train_13b_pick.log")"
@@ -73,5 +77,5 @@ case $part in
       optimizer.clip_grad=0 optimizer.lr_warmup_iters=10 > "$out/bench_8b.log" 2>&1
     echo "bench_8b: exit $?"
     ;;
-  *) echo "unknown part $part: 1b, 1b-clipped, plan, 13b or 8b" >&2; exit 2 ;;
+  *) echo "unknown part $part: 1b, 1b-clipped, plan, import, 13b or 8b" >&2; exit 2 ;;
 esac

@@ -473,7 +473,9 @@ def test_a_ladder_compiles_its_most_offload_then_where_that_peak_predicts_a_fit(
   ladder = fit.Ladder(config, "as configured", [], ("device", None), MACHINE, None, 0)
   budgets = fit.Budgets(device=int(peak(ladder.resident_bytes(0) * 0.6) / 0.95), host=10**12)
   assert ladder.least(budgets).verdict == ""
-  row = ladder.smallest_fitting(budgets, {})
+  device_bytes = {}
+  assert ladder.predict(budgets, device_bytes).verdict == ""  # Predicted, not yet compiled.
+  row = ladder.verify(budgets, device_bytes)
   least = next(step for step in range(9)
                if peak(ladder.resident_bytes(step)) <= 0.95 * budgets.device)
   assert 0 < least < 8 and row.verdict == "fits" and row.fraction == least / 8

@@ -87,7 +87,7 @@ def _device_levers(config) -> list[str]:
   named = advice.device_memory_levers(config)
   try:
     return levers.device_figures(resolve(config), named)
-  except (ConfigError, ValueError):
+  except Exception:  # The advice never hides the out-of-memory error.
     return named
 
 

@@ -83,8 +83,7 @@ def device_memory_levers(config: Config) -> list[str]:
     levers.append("optimizer.optimizer_offload_update_on=host_kernel (the device then holds "
                   "no float32 weights or gradients of the offloaded leaves)")
   if t.micro_batch_size > 1:
-    half = t.micro_batch_size // 2
-    smaller = half if t.global_batch_size % half == 0 else 1
+    smaller = max(n for n in range(1, t.micro_batch_size) if t.global_batch_size % n == 0)
     levers.append(f"train.micro_batch_size={smaller} (now {t.micro_batch_size})")
   if micro_batches(config) > 1 and o.grad_accum_dtype != "bfloat16":
     levers.append("optimizer.grad_accum_dtype=bfloat16")

@@ -158,14 +158,16 @@ def search(ladders: list[Ladder], budgets: Budgets) -> tuple[Optional[Candidate]
   first its least fraction whose state alone fits (found without compiling); once its
   most offload is compiled (if that does not fit, neither does a larger micro-batch of
   its activation setting), a layer-sized step below where that peak predicts the least
-  fit (``Ladder.predict``); then the fit itself, compiled there (``Ladder.verify``). The
-  search stops once the pick is faster than every bound left; where the device's budget
-  is unknown, nothing is compiled.
+  fit (``Ladder.predict``: a bound if the prediction errs by no more than that step);
+  then the fit itself, compiled there (``Ladder.verify``). The search stops once the
+  pick is faster than every bound left; where the device's budget is unknown, nothing
+  is compiled.
   """
   rows = {n: ladder.least(budgets) for n, ladder in enumerate(ladders)}
   device_bytes = {}  # Per setting's overrides, its compiled step's device peak.
   # Per activation setting and placement, the least micro-batch that cannot fit.
   best, too_large = None, {}
+  faster = lambda row: row.verdict == "fits" and (best is None or row.step_s < best.step_s)
   queue = [(row.step_s, n, False) for n, row in rows.items() if not row.verdict]
   heapq.heapify(queue)
   while queue:
@@ -178,8 +180,7 @@ def search(ladders: list[Ladder], budgets: Budgets) -> tuple[Optional[Candidate]
           else "not compiled: slower than the pick"))
     elif predicted:
       rows[n] = ladder.verify(budgets, device_bytes)
-      if rows[n].verdict == "fits" and (best is None or rows[n].step_s < best.step_s):
-        best = rows[n]
+      best = rows[n] if faster(rows[n]) else best
     elif row.micro_batch_size >= too_large.get(setting, math.inf):
       rows[n] = dataclasses.replace(row, verdict="not compiled: a smaller micro-batch does "
                                                  "not fit the device")
@@ -189,8 +190,7 @@ def search(ladders: list[Ladder], budgets: Budgets) -> tuple[Optional[Candidate]
         too_large[setting] = min(row.micro_batch_size, too_large.get(setting, math.inf))
       elif not rows[n].verdict:  # Compiled where the device's budget is known.
         heapq.heappush(queue, (ladder.bound(), n, True))
-      elif rows[n].verdict == "fits" and (best is None or rows[n].step_s < best.step_s):
-        best = rows[n]
+      best = rows[n] if faster(rows[n]) else best
   # Without offload, both placements are one setting: its row once, the pick's where it is.
   unique = {}
   for n in sorted(rows, key=lambda n: (rows[n].step_s, rows[n] != best)):
@@ -200,8 +200,8 @@ def search(ladders: list[Ladder], budgets: Budgets) -> tuple[Optional[Candidate]
 
 class Ladder:
   """One combination's candidates by offload fraction, ``k / num_layers``, resolved when
-  asked for; ``least`` and ``smallest_fitting`` bisect them (the device's bytes fall and
-  the host's rise as the fraction does). Its ``place`` is the update placement and where
+  asked for; ``least``, ``predict`` and ``verify`` search them (the device's bytes fall
+  and the host's rise as the fraction does). Its ``place`` is the update placement and where
   the host kernel's leaves' gradients are summed (None: as the config says)."""
 
   def __init__(self, config: Config, name: str, base: list[str],
@@ -215,7 +215,7 @@ class Ladder:
     self._refusal = ""  # Why the config's rules refused a step, the last one they did.
     self._resident: dict[int, int] = {}
     self._compiled: dict[int, Candidate] = {}  # Per step compiled, its row with its peak.
-    self._guess = 0  # The least step the most offload's peak predicts to fit (``predict``).
+    self._guess: Optional[int] = None  # Where ``predict`` found the least fit would be.
 
   def judge(self, step: int) -> Optional[tuple[Setup, Candidate]]:
     """Step ``step``'s setup and candidate (not compiled); None where a rule refuses it."""
@@ -250,30 +250,22 @@ class Ladder:
         # offload it is another placement's setting.)
         sizes = [o.split("=")[1] for o in self.base if o.startswith("train.micro_batch_size=")]
         size = int(sizes[-1]) if sizes else self.config.train.micro_batch_size
-        return Candidate(self.name, size, 0.0, self.place[0],
-                         "-", "-", 0.0, None, 0, math.inf, tuple(self.base),
+        return Candidate(self.name, size, 0.0, self.place[0], "-", "-", 0.0, None, 0,
+                         math.inf, tuple(self.base + offload_overrides(1.0, *self.place)),
                          f"refused: {self._refusal}")
       return dataclasses.replace(most[1], verdict="no: device (its state alone)")
     candidate = self.judge(self._least)[1]
     return candidate if budgets.fits_host(candidate) else dataclasses.replace(
         candidate, verdict="no: host")
 
-  def smallest_fitting(self, budgets: Budgets, device_bytes: dict) -> Candidate:
-    """The least offload whose compiled step fits the device, and whether it fits the host;
-    or the most offloaded one tried, which does not fit the device (``predict``, then
-    ``verify``). ``device_bytes`` holds the device peaks compiled so far, by overrides, and
-    gets this ladder's. Where the device's budget is unknown (CPUs) nothing is compiled:
-    the host's decides."""
-    row = self.predict(budgets, device_bytes)
-    return self.verify(budgets, device_bytes) if not row.verdict else row
-
   def predict(self, budgets: Budgets, device_bytes: dict) -> Candidate:
     """The most offload compiled: its row where it does not fit the device (then nothing
     does); else the least offload its peak predicts to fit, not yet compiled (its verdict
     empty; ``bound``, ``verify``). Its peak less its resident state (activations,
     gradients, temporaries), with another fraction's resident state, predicts that
-    fraction's peak. Where the device's budget is unknown, the least offload, judged by
-    the host alone."""
+    fraction's peak. ``device_bytes`` holds the device peaks compiled so far, by
+    overrides, and gets this ladder's. Where the device's budget is unknown (CPUs)
+    nothing is compiled: the least offload, judged by the host alone."""
     if budgets.device is None:  # No budget to judge a peak against: the least offload wins.
       candidate = self.judge(self._least)[1]
       return dataclasses.replace(candidate, verdict="fits" if budgets.fits_host(candidate)
@@ -288,15 +280,19 @@ class Ladder:
     return self.judge(self._guess)[1]
 
   def bound(self) -> float:
-    """Once ``predict`` compiled, the least step time ``verify`` can find: a layer-sized step
-    below the predicted fit, which it also tries."""
+    """Once ``predict`` compiled, the step time of a layer-sized step below the predicted
+    fit: the least ``verify`` finds unless the prediction was cautious by more than that
+    step (the peaks it predicts from grow with the fraction, so it seldom is)."""
     return self.judge(max(self._guess - 1, self._least))[1].step_s
 
   def verify(self, budgets: Budgets, device_bytes: dict) -> Candidate:
-    """After ``predict``: the predicted fit compiled, and the step below it where that fits
-    too; where it does not (a wrong prediction), a bisection above it."""
+    """After ``predict``: the least offload whose compiled step fits the device, and
+    whether it fits the host. The predicted fit is compiled, and the step below it where
+    that fits too (then a bisection below); where it does not (a wrong prediction), a
+    bisection above it."""
     fits = lambda step: self._fits(step, budgets, device_bytes)
     guess = self._guess
+    assert guess is not None, "verify follows predict"
     if not fits(guess):
       step = _first(guess + 1, self.steps, fits)
     elif guess > self._least and fits(guess - 1):

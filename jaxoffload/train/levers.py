@@ -80,45 +80,53 @@ def with_figures(setup: Setup, keys: list[str], need: Callable[[Setup], int]) ->
 
 def device_figures(setup: Setup, settings: list[str]) -> list[str]:
   """Each of ``settings`` (space-separated ``key=value``s, then a note in parentheses or
-  none) with what it would free of one device's memory (``device_need``); one no run
-  could take, as it is."""
+  none) with what it would free of one device's memory (``device_need``), where the
+  arithmetic finds it frees some; none that the config's rules refuse."""
   need, out = device_need(setup), []
   for setting in settings:
     try:
       other = variant(setup, override(setup.config, setting.split(" (")[0].split()))
-    except (ConfigError, ValueError):
-      out.append(setting)
+    except ConfigError:  # No run could take it.
       continue
-    out.append(_noted(setting, f"frees about {size(need - device_need(other))}"))
+    freed = need - device_need(other)
+    out.append(_noted(setting, f"frees about {size(freed)}") if freed > 0 else setting)
   return out
 
 
 def device_need(setup: Setup) -> int:
   """What one device holds at the step's peak, reckoned from shapes: the parameters and
-  optimizer state it keeps, the gradients it makes with their sums over micro-batches (the
-  host kernel's weights and gradients only a layer at a time where the step runs a program
-  per layer or sums them on the host; whole otherwise), and what each layer keeps on the
-  device for its backward pass (``layered.layer_forward``'s leaves, offloaded ones left
-  out). XLA's temporaries are not counted: a lever's figure is a difference of two."""
+  optimizer state it keeps, the gradients it makes with their sums over micro-batches, and
+  what each layer keeps on the device for its backward pass (``layered.layer_forward``'s
+  leaves and, where its backward pass reads it, its input; offloaded ones left out), with
+  all of one layer's as its backward pass runs. The
+  host kernel's weights and gradients count whole where one program holds them; where
+  the step runs a program per layer or sums them on the host, not at all (a layer's at a
+  time). XLA's temporaries are not counted: a lever's figure is a difference of two."""
   trainer = Trainer.from_shapes(setup)
   shard = lambda x, sharding: math.prod(sharding.shard_shape(x.shape))
   leaves = list(zip(jax.tree.leaves(setup.param_shapes), jax.tree.leaves(setup.param_shardings),
                     trainer.programs.is_host))
   by_layer = setup.runs_per_layer or setup.sums_on_host  # The host kernel's pieces.
-  grads = sum(shard(x, s) * 4 for x, s, host in leaves if not (host and by_layer))
+  grads = sum(shard(x, s) * x.dtype.itemsize for x, s, host in leaves
+              if not (host and by_layer))
   host_weights = 0 if by_layer else sum(
       shard(x, s) * dtype.itemsize for (x, s, _), dtype in zip(
           [leaf for leaf in leaves if leaf[2]], setup.weight_transfer_dtypes))
   sums = (sum(shard(x, s) for x, s, host in leaves if not (host and setup.sums_on_host))
           * setup.grad_accum_dtype.itemsize if setup.micro_batches > 1 else 0)
   kept = sum((g.stop - g.start) * _kept_bytes(setup, g) for g in setup.groups)
-  return (resident_device_bytes(trainer) + host_weights + grads + sums
+  # The layer being taken back holds all of its activations meanwhile, recomputed or kept.
+  kept += max(_kept_bytes(setup, dataclasses.replace(g, placements=None))
+              for g in setup.groups)
+  # Each micro-batch's gradients are added into the sums as they are made.
+  return (resident_device_bytes(trainer) + host_weights + max(grads, sums)
           + kept // setup.mesh.size)
 
 
 def _kept_bytes(setup: Setup, group: remat.LayerGroup) -> int:
   """What a layer of ``group`` keeps on the device for its backward pass, a micro-batch's
-  (all devices'): its offloaded activations recomputed instead, for the arithmetic."""
+  (all devices'): its offloaded activations counted as recomputed, its input where the
+  backward pass reads it."""
   if group.placements is not None:
     group = dataclasses.replace(group, placements={
         name: remat.Placement.RECOMPUTE if p is remat.Placement.OFFLOAD else p
@@ -128,9 +136,15 @@ def _kept_bytes(setup: Setup, group: remat.LayerGroup) -> int:
                         setup.param_shapes[group_name(group)])
   x = jax.ShapeDtypeStruct((setup.config.train.micro_batch_size, m.seq_length, m.hidden_size),
                            jnp.dtype(m.dtype))
-  kept = jax.eval_shape(lambda p, x: layered.layer_forward(setup.llama, group, p, x)[2],
-                        params, x)
-  return sum(k.size * k.dtype.itemsize for k in jax.tree.leaves(kept))
+  layouts = []
+
+  def kept(p, x):
+    _, layout, leaves = layered.layer_forward(setup.llama, group, p, x)
+    layouts.append(layout)
+    return leaves
+
+  leaves = jax.tree.leaves(jax.eval_shape(kept, params, x))
+  return sum(k.size * k.dtype.itemsize for k in leaves + [x] * layouts[0].takes_input)
 
 
 def _noted(setting: str, figure: str) -> str:

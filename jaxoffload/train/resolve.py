@@ -16,7 +16,6 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from jaxoffload import sharding

@@ -55,7 +55,7 @@ class Calibration:
   Attributes:
     micro_batch_size: the sequences each timing ran on.
     fixed_s: a forward and backward pass's time outside the layers.
-    layer_s: one layer's forward and backward time, by ``layer_modes``' names.
+    layer_s: one layer's forward and backward time, by ``timed_modes``' names.
     overhead: the share of a micro-batch's time that does not shrink with it,
       from a second timing at half the size (0 where the size is 1).
     device_bandwidth: bytes per second a device-to-device copy reads and writes.
@@ -107,7 +107,8 @@ def _offload_mode(config: Config) -> str:
 
 def _moved_mode(config: Config) -> Optional[str]:
   """The offloaded layers' setting where the trainer moves their activations, else None."""
-  return _offload_mode(config) if rules.moves_activations(config) else None
+  moved = rules.moves_activations(config) and config.model.cpu_offloading_num_layers > 0
+  return _offload_mode(config) if moved else None
 
 
 def _unhidden_copies_s(setup: Setup, layer_s: float, machine: autoplace.Machine) -> float:
