@@ -15,6 +15,8 @@
 #   13b         the planner on the 13B shape, then its pick trained for 4 steps, unclipped
 #   8b          the 8B shape at 1.0 on the host kernel: selective recompute against activations
 #               moved by the trainer, exact and with bfloat16 moments
+#   8b-shipped  configs/llama_8b_offload.yaml as shipped (auto placement) against its best
+#               hand-set placement, clipped and unclipped
 # Writes OUT/NAME.{json,md,log}; no environment variable is set by hand.
 set -u
 part=${1:?usage: h200_headlines.sh PART OUT}
@@ -77,5 +79,16 @@ case $part in
       optimizer.clip_grad=0 optimizer.lr_warmup_iters=10 > "$out/bench_8b.log" 2>&1
     echo "bench_8b: exit $?"
     ;;
-  *) echo "unknown part $part: 1b, 1b-clipped, plan, import, 13b or 8b" >&2; exit 2 ;;
+  8b-shipped)
+    hand_set="optimizer.optimizer_offload_update_on=host_kernel
+      optimizer.offload_transfer_dtype=bfloat16"
+    timeout 560 python3 -m jaxoffload.bench --config configs/llama_8b_offload.yaml --steps 5 \
+      --out "$out/bench_8b_shipped" --resume --setting "hand-set=$hand_set" \
+      --setting "unclipped=optimizer.clip_grad=0" \
+      --setting "hand-set unclipped=$hand_set optimizer.clip_grad=0" \
+      data.dataset=synthetic > "$out/bench_8b_shipped.log" 2>&1
+    echo "bench_8b_shipped: exit $?"
+    ;;
+  *) echo "unknown part $part: 1b, 1b-clipped, plan, import, 13b, 8b or 8b-shipped" >&2
+     exit 2 ;;
 esac
