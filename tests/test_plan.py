@@ -283,7 +283,8 @@ def test_on_a_cpu_and_where_the_rules_refuse_them_no_offload_setting_is_offered(
   offload = lambda settings: [name for name in settings if name.startswith("offload")]
   assert offload(plan.activation_settings(config, backend="gpu")) == [
       "offload qkv, 3 layers", "offload qkv and weights, 3 layers",
-      "offload qkv, 3 layers, moved by the trainer"]
+      "offload qkv, 3 layers, moved by the trainer",
+      "offload all, 3 layers, moved by the trainer"]
   # Activation offload frees no memory on the cpu backend.
   assert not offload(plan.activation_settings(config, backend="cpu"))
   # The rules refuse activation offload with CUDA graphs: never calibrated nor searched.

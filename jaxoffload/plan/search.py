@@ -31,7 +31,7 @@ def activation_settings(config: Config, backend: Optional[str] = None) -> dict[s
   activation, recomputing the attention kernel (selective) or every layer, and, but on a
   CPU, offloading the config's policy for every layer but the last (Megatron's limit): by
   XLA inside one program, with the weights too, and moved by the trainer a program per
-  layer.
+  layer (so too every activation, Megatron's policy).
 
   Args:
     config: a checked config.
@@ -56,8 +56,12 @@ def activation_settings(config: Config, backend: Optional[str] = None) -> dict[s
     settings[f"offload {m.cpu_offloading_policy}, {m.num_layers - 1} layers"] = off(False)
     settings[f"offload {m.cpu_offloading_policy} and weights, {m.num_layers - 1} layers"] = (
         off(True))
-    settings[f"offload {m.cpu_offloading_policy}, {m.num_layers - 1} layers, moved by the "
-             f"trainer"] = off(False) + ["model.cpu_offloading_double_buffering=True"]
+    # Moved by the trainer, a policy's copies cost only what the layers' compute leaves
+    # bare: Megatron's, every activation, too.
+    for policy in dict.fromkeys((m.cpu_offloading_policy, "all")):
+      settings[f"offload {policy}, {m.num_layers - 1} layers, moved by the trainer"] = off(
+          False) + [f"model.cpu_offloading_policy={policy}",
+                    "model.cpu_offloading_double_buffering=True"]
   models = {}
   for name, o in settings.items():
     try:
