@@ -2,13 +2,12 @@
 
   python -m jaxoffload.bench --config configs/llama_1b.yaml --steps 10 --out bench/llama_1b
 
-Runs the trainer once per setting (baseline, twice, and as a program per
-layer; optimizer offload at fractions 0.25, 0.5 and 1.0 with every other key
-at its default, then with
-each update placement, the device placement and the host kernel with and
-without overlap, and the host kernel with bfloat16 transfers (a model that
-computes in bfloat16); activation offload of half and of all but one layer; both
-offloads together), each in a fresh process so that no setting's
+Runs the trainer once per setting (baseline, twice, and as a program per layer;
+optimizer offload at fractions 0.25, 0.5 and 1.0 with every other key at its
+default, then with each update placement, the device placement and the host
+kernel with and without overlap, and the host kernel with bfloat16 transfers (a
+model that computes in bfloat16); activation offload of half and of all but one
+layer; both offloads together), each in a fresh process so that no setting's
 memory shows in another's, on the same data and seed. Reports per
 setting the median and spread of step time, tokens/s, MFU, peak device memory
 (measured, and XLA's compiled estimate), pinned host memory, the step-time and

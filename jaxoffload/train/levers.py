@@ -98,10 +98,10 @@ def device_need(setup: Setup) -> int:
   optimizer state it keeps, the gradients it makes with their sums over micro-batches, and
   what each layer keeps on the device for its backward pass (``layered.layer_forward``'s
   leaves and, where its backward pass reads it, its input; offloaded ones left out), with
-  all of one layer's as its backward pass runs. The
-  host kernel's weights and gradients count whole where one program holds them; where
-  the step runs a program per layer or sums them on the host, not at all (a layer's at a
-  time). XLA's temporaries are not counted: a lever's figure is a difference of two."""
+  all of one layer's as its backward pass runs. The host kernel's weights and gradients
+  count whole where one program holds them; where the step runs a program per layer or sums
+  them on the host, not at all (a layer's at a time). XLA's temporaries are not counted: a
+  lever's figure is a difference of two."""
   trainer = Trainer.from_shapes(setup)
   shard = lambda x, sharding: math.prod(sharding.shard_shape(x.shape))
   leaves = list(zip(jax.tree.leaves(setup.param_shapes), jax.tree.leaves(setup.param_shardings),

@@ -11,13 +11,13 @@ forward programs read them; each piece's weights go to the device once its
 update is applied: the device computes the first layers while the host
 updates the later ones.
 The update is the single program's (exact, the same clipping); only when the
-host applies it moves. A step's host gradients leave the device as each
-layer's backward program ends, copied beside the next program (``_placed``).
-Without clipping (``optimizer.clip_grad=0``) the update needs no global norm,
-and the thread starts on each piece as soon as its gradient is on the host:
-during this step's backward pass. With
-clipping, after a step that did not clip, it starts so too, as if this step
-would not clip either (``optimizer.speculate_cpu_optimizer_step``,
+host applies it moves. A step's host gradients leave the device as each layer's
+backward program ends, copied beside the next program (``_placed``). Without
+clipping (``optimizer.clip_grad=0``) the update needs no global norm, and the
+thread starts on each piece as soon as its gradient is on the host: during this
+step's backward pass. With clipping, after a step that did not clip, it starts
+so too, as if this step would not clip either
+(``optimizer.speculate_cpu_optimizer_step``,
 ``HostAdamW.hold(speculative=True)``); a step that does clip has its update
 taken back and applied again, scaled.
 
