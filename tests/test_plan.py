@@ -56,6 +56,10 @@ def test_a_moved_layer_costs_a_saved_layer_and_what_of_its_copies_its_neighbours
   each = offloaded_activation_bytes(setup.model, setup.groups, 8, setup.model.seq_length) / 3
   slow = dataclasses.replace(MACHINE, device_to_host=each / 0.002, host_to_device=each / 0.004)
   assert step_time.predict_s(setup, c, slow) == pytest.approx(saved + adam + 3 * 0.002)
+  # With no layer offloaded there is nothing to move.
+  unmoved = resolve(load_config(None, ["model.cpu_offloading=True",
+                                       "model.cpu_offloading_double_buffering=True"]))
+  assert step_time.predict_s(unmoved, c, slow) == pytest.approx(saved + adam)
 
 
 def test_auto_offload_needs_the_master_switch():
