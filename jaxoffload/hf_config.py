@@ -90,7 +90,7 @@ def read_config(directory: str, **overrides: Any) -> LlamaConfig:
   Args:
     directory: the checkpoint directory.
     **overrides: LlamaConfig fields the checkpoint does not decide (``dtype``,
-      ``params_dtype``, ``seq_length``, ``attention_implementation``).
+      ``params_dtype``, ``seq_length``, ``attention_implementation``, ``scan_layers``).
 
   Raises:
     CheckpointError: naming the file and the field it cannot read or does not support.

@@ -60,6 +60,9 @@ class LlamaConfig:
       xla, cudnn, or null for cuDNN's fused kernel on a GPU with 16-bit compute and
       XLA elsewhere (JAX's own null means XLA, whose backward keeps every layer's
       score matrix).
+    scan_layers: run each layer group as a loop over its stacked layers (MaxText's
+      name); False unrolls the loop: the parameters are the same stacks, XLA compiles
+      every layer on its own, which takes longer and can run faster.
   """
 
   vocab_size: int = 256
@@ -81,6 +84,7 @@ class LlamaConfig:
   rope_scaling_original_max_position_embeddings: int = 8192
   rms_norm_eps: float = 1e-5
   attention_implementation: Optional[str] = None
+  scan_layers: bool = True
 
   @property
   def attention(self) -> str:
@@ -275,8 +279,9 @@ class Llama(nn.Module):
       policy = group.policy()
       if policy is not None:
         layer = nn.remat(layer, policy=policy, prevent_cse=False)
+      length = group.stop - group.start
       stack = nn.scan(layer, variable_axes={"params": 0}, split_rngs={"params": True},
-                      length=group.stop - group.start,
+                      length=length, unroll=1 if c.scan_layers else length,
                       metadata_params={nn.PARTITION_NAME: "layers"})
       x, _ = stack(c, self.mesh, name=group_name(group))(x, None)
     lm_head = None if c.share_embeddings_and_output_weights else output_layer(c)

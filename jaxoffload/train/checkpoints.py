@@ -234,7 +234,7 @@ def model_differences(theirs: Config, ours: Config) -> list[str]:
   """What keeps a checkpoint written under ``theirs`` from resuming under ``ours``: the
   model's differences, each as ``"model.key: theirs -> ours"``."""
   keys = [f.name for f in dataclasses.fields(LlamaConfig)
-          if f.name not in ("dtype", "seq_length", "attention_implementation")]
+          if f.name not in ("dtype", "seq_length", "attention_implementation", "scan_layers")]
   return [f"model.{key}: {getattr(theirs.model, key)!r} -> {getattr(ours.model, key)!r}"
           for key in keys if getattr(theirs.model, key) != getattr(ours.model, key)]
 

@@ -21,7 +21,7 @@ from jaxoffload.train import rules
 from jaxoffload.train.config import Config, ConfigError
 
 # LlamaConfig fields a checkpoint does not decide: how the run computes, and on what.
-RUN_FIELDS = ("dtype", "params_dtype", "seq_length", "attention_implementation")
+RUN_FIELDS = ("dtype", "params_dtype", "seq_length", "attention_implementation", "scan_layers")
 
 # Keys jaxoffload no longer has, and why: a config naming one is refused with the reason,
 # not a guess at the nearest key.
