@@ -26,7 +26,7 @@ mkdir -p "$out"
 
 bench_1b() {  # name, overrides common to every setting...
   local name=$1; shift
-  timeout 560 python3 -m jaxoffload.bench --config configs/llama_1b.yaml --steps 8 \
+  timeout -k 10 550 python3 -m jaxoffload.bench --config configs/llama_1b.yaml --steps 8 \
     --out "$out/$name" --resume \
     --settings "baseline again,baseline as a program per layer,baseline with its layers unrolled,optimizer 0.25 default,optimizer 0.5 default,optimizer 1.0 default,optimizer 0.25 host_kernel bf16 transfers,optimizer 0.5 host_kernel bf16 transfers,optimizer 1.0 host_kernel bf16 transfers,activations 21 layers,activations 21 layers moved by the trainer" \
     --setting "compact 1.0 default=optimizer.optimizer_cpu_offload=True optimizer.optimizer_offload_fraction=1.0 optimizer.exp_avg_dtype=bfloat16 optimizer.exp_avg_sq_dtype=bfloat16" \
@@ -38,7 +38,7 @@ bench_1b() {  # name, overrides common to every setting...
 timed() {  # name, seconds, command...: its output, wall time and XLA log lines printed
   local name=$1 limit=$2; shift 2
   local start=$SECONDS
-  timeout "$limit" "$@" > "$out/$name.log" 2>&1
+  timeout -k 10 "$limit" "$@" > "$out/$name.log" 2>&1
   local status=$?
   echo "$name: exit $status in $((SECONDS - start)) s;" \
     "$(grep -cE '^[EWI][0-9]{4} ' "$out/$name.log") XLA log lines"
@@ -61,7 +61,7 @@ case $part in
     timed plan_13b 200 python3 -m jaxoffload.plan --config configs/llama_13b_offload.yaml
     pick=$(grep '^  python -m jaxoffload.train ' "$out/plan_13b.log" | tail -1)
     if [ -z "$pick" ]; then echo "plan_13b picked nothing"; exit 1; fi
-    timeout 360 ${pick/python/python3} train.train_iters=4 optimizer.clip_grad=0 \
+    timeout -k 10 350 ${pick/python/python3} train.train_iters=4 optimizer.clip_grad=0 \
       logging.progress_bar=False logging.jsonl="$out/train_13b_pick.jsonl" \
       > "$out/train_13b_pick.log" 2>&1
     echo "train_13b_pick: exit $?; $(tail -1 "$out/train_13b_pick.log")"
@@ -70,7 +70,7 @@ case $part in
     moved="model.recompute_granularity=null model.cpu_offloading=True
       model.cpu_offloading_num_layers=31 model.cpu_offloading_double_buffering=True"
     compact="optimizer.exp_avg_dtype=bfloat16 optimizer.exp_avg_sq_dtype=bfloat16"
-    timeout 560 python3 -m jaxoffload.bench --config configs/llama_8b_offload.yaml --steps 5 \
+    timeout -k 10 550 python3 -m jaxoffload.bench --config configs/llama_8b_offload.yaml --steps 5 \
       --out "$out/bench_8b" --resume \
       --setting "moved by the trainer=$moved" --setting "bf16 moments=$compact" \
       --setting "bf16 moments, moved by the trainer=$moved $compact" \
@@ -84,7 +84,7 @@ case $part in
   8b-shipped)
     hand_set="optimizer.optimizer_offload_update_on=host_kernel
       optimizer.offload_transfer_dtype=bfloat16"
-    timeout 560 python3 -m jaxoffload.bench --config configs/llama_8b_offload.yaml --steps 5 \
+    timeout -k 10 550 python3 -m jaxoffload.bench --config configs/llama_8b_offload.yaml --steps 5 \
       --out "$out/bench_8b_shipped" --resume --setting "hand-set=$hand_set" \
       --setting "unclipped=optimizer.clip_grad=0" \
       --setting "hand-set unclipped=$hand_set optimizer.clip_grad=0" \

@@ -62,7 +62,8 @@ class LlamaConfig:
       score matrix).
     scan_layers: run each layer group as a loop over its stacked layers (MaxText's
       name); False unrolls the loop: the parameters are the same stacks, XLA compiles
-      every layer on its own, which takes longer and can run faster.
+      every layer on its own, which takes longer and can run faster. (A step run a
+      program per layer, ``jaxoffload.train.overlap``, has no loop to unroll.)
   """
 
   vocab_size: int = 256

@@ -30,7 +30,7 @@ import orbax.checkpoint as ocp
 from jaxoffload.model import LlamaConfig
 from jaxoffload.train import host_checkpoint, reader, rules
 from jaxoffload.train.config import Config, ConfigError
-from jaxoffload.train.loading import config_from_dict
+from jaxoffload.train.loading import RUN_FIELDS, config_from_dict
 from jaxoffload.train.resolve import Setup, learning_rate
 from jaxoffload.train.step import STATE_ITEMS, Moments, Trainer
 
@@ -233,8 +233,9 @@ def schedule_change(theirs: Config, setup: Setup, step: int) -> Optional[str]:
 def model_differences(theirs: Config, ours: Config) -> list[str]:
   """What keeps a checkpoint written under ``theirs`` from resuming under ``ours``: the
   model's differences, each as ``"model.key: theirs -> ours"``."""
+  # How the run computes may change; the parameters' dtype is the checkpoint's.
   keys = [f.name for f in dataclasses.fields(LlamaConfig)
-          if f.name not in ("dtype", "seq_length", "attention_implementation", "scan_layers")]
+          if f.name not in RUN_FIELDS or f.name == "params_dtype"]
   return [f"model.{key}: {getattr(theirs.model, key)!r} -> {getattr(ours.model, key)!r}"
           for key in keys if getattr(theirs.model, key) != getattr(ours.model, key)]
 

@@ -250,7 +250,7 @@ class Ladder:
         # offload it is another placement's setting.)
         sizes = [o.split("=")[1] for o in self.base if o.startswith("train.micro_batch_size=")]
         size = int(sizes[-1]) if sizes else self.config.train.micro_batch_size
-        return Candidate(self.name, size, 0.0, self.place[0], "-", "-", 0.0, None, 0,
+        return Candidate(self.name, size, 1.0, self.place[0], "-", "-", 0.0, None, 0,
                          math.inf, tuple(self.base + offload_overrides(1.0, *self.place)),
                          f"refused: {self._refusal}")
       return dataclasses.replace(most[1], verdict="no: device (its state alone)")

@@ -88,6 +88,9 @@ def device_figures(setup: Setup, settings: list[str]) -> list[str]:
       other = variant(setup, override(setup.config, setting.split(" (")[0].split()))
     except ConfigError:  # No run could take it.
       continue
+    except ValueError:  # Not reckoned from shapes (an auto fraction): named as it is.
+      out.append(setting)
+      continue
     freed = need - device_need(other)
     out.append(_noted(setting, f"frees about {size(freed)}") if freed > 0 else setting)
   return out
@@ -117,10 +120,11 @@ def device_need(setup: Setup) -> int:
   kept = sum((g.stop - g.start) * _kept_bytes(setup, g) for g in setup.groups)
   # The layer being taken back holds all of its activations meanwhile, recomputed or kept.
   kept += max(_kept_bytes(setup, dataclasses.replace(g, placements=None))
-              for g in setup.groups)
-  # Each micro-batch's gradients are added into the sums as they are made.
-  return (resident_device_bytes(trainer) + host_weights + max(grads, sums)
-          + kept // setup.mesh.size)
+              - _kept_bytes(setup, g) for g in setup.groups)
+  # One program holds a micro-batch's gradients beside the sums; a program per layer adds
+  # each layer's into them as it makes them.
+  gradients = max(grads, sums) if setup.runs_per_layer else grads + sums
+  return resident_device_bytes(trainer) + host_weights + gradients + kept // setup.mesh.size
 
 
 def _kept_bytes(setup: Setup, group: remat.LayerGroup) -> int:
