@@ -116,12 +116,15 @@ def test_out_of_device_memory_names_the_keys_and_writes_the_memory_profile(tmp_p
 
 
 @pytest.mark.parametrize("config, lever", [
-    ([], "train.micro_batch_size=4"), ([], "model.recompute_granularity=full"),
-    ([], "model.recompute_granularity=selective"),
+    ([], "train.micro_batch_size=4"),
+    pytest.param([], "model.recompute_granularity=full", marks=pytest.mark.slow),
+    pytest.param([], "model.recompute_granularity=selective", marks=pytest.mark.slow),
     # Every layer recomputed, the one program keeps each layer's input.
-    (["model.recompute_granularity=full"], "train.micro_batch_size=4"),
+    pytest.param(["model.recompute_granularity=full"], "train.micro_batch_size=4",
+                 marks=pytest.mark.slow),
     # The sums beside a micro-batch's gradients.
-    (["train.micro_batch_size=4"], "optimizer.grad_accum_dtype=bfloat16")])
+    pytest.param(["train.micro_batch_size=4"], "optimizer.grad_accum_dtype=bfloat16",
+                 marks=pytest.mark.slow)])
 def test_what_a_device_lever_frees_is_near_what_xla_compiles(config, lever):
   # On a CPU every buffer counts as device memory: for these levers, which move no state to
   # the host, XLA's compiled peaks of the step with and without the lever are the reference.
