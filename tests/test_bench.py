@@ -140,8 +140,11 @@ def test_memory_plot_labels_say_what_each_setting_overlaps(tmp_path):
   assert labels["optimizer 0.5 device + activations 3 layers"] is None
   # Written in lower case the value means the same to the trainer, and so to the plot.
   assert report.curve_label({"overrides": [
-      "optimizer.optimizer_offload_update_on=device",
+      "optimizer.optimizer_offload_fraction=0.5", "optimizer.optimizer_offload_update_on=device",
       "optimizer.overlap_cpu_optimizer_d2h_h2d=false"]}) == "update on device no overlap"
+  # A placement at the config's own fraction (a setting of --setting): no point to place.
+  assert report.curve_label({"overrides": [
+      "optimizer.optimizer_offload_update_on=host_kernel"]}) is None
   # One point per fraction on each curve: no two settings share a curve at one fraction.
   points = [(label, dict(o.split("=", 1) for o in matrix[name])[
       "optimizer.optimizer_offload_fraction"]) for name, label in labels.items() if label]

@@ -89,13 +89,15 @@ def plot(out: str, results: list[dict]) -> list[str]:
 
 
 def curve_label(result: dict) -> Optional[str]:
-  """The memory plot's curve for a setting that offloads the optimizer alone; None for others.
+  """The memory plot's curve for a setting that offloads the optimizer alone at a fraction it
+  names; None for others (their point is on the frontier plot).
 
   A curve holds one point per fraction, so what the default settings vary
   besides the fraction (placement, overlap, transfer dtype) goes into the label.
   """
   place = _override(result, "optimizer.optimizer_offload_update_on")
-  if place is None or _override(result, "model.cpu_offloading"):
+  if (place is None or _override(result, "optimizer.optimizer_offload_fraction") is None
+      or _override(result, "model.cpu_offloading")):
     return None
   # Left alone, the overlap is the placement's default (host_kernel overlaps, device does
   # not), so only a value written in the setting is named.
