@@ -70,7 +70,7 @@ def with_figures(setup: Setup, keys: list[str], need: Callable[[Setup], int]) ->
   for key in keys:
     setting = _setting(setup, key)
     try:
-      figure = size(need(variant(setup, override(setup.config, [setting.split(" ")[0]]))))
+      figure = size(need(_with_setting(setup, setting)))
     except (ConfigError, ValueError):
       out.append(key)
       continue
@@ -85,7 +85,7 @@ def device_figures(setup: Setup, settings: list[str]) -> list[str]:
   need, out = device_need(setup), []
   for setting in settings:
     try:
-      other = variant(setup, override(setup.config, setting.split(" (")[0].split()))
+      other = _with_setting(setup, setting)
     except ConfigError:  # No run could take it.
       continue
     except ValueError:  # Not reckoned from shapes (an auto fraction): named as it is.
@@ -149,6 +149,12 @@ def _kept_bytes(setup: Setup, group: remat.LayerGroup) -> int:
 
   leaves = jax.tree.leaves(jax.eval_shape(kept, params, x))
   return sum(k.size * k.dtype.itemsize for k in leaves + [x] * layouts[0].takes_input)
+
+
+def _with_setting(setup: Setup, setting: str) -> Setup:
+  """``setup``'s run with ``setting`` made: space-separated ``key=value``s, then a note in
+  parentheses or none."""
+  return variant(setup, override(setup.config, setting.split(" (")[0].split()))
 
 
 def _noted(setting: str, figure: str) -> str:
