@@ -10,6 +10,9 @@
 #               masters); compact moments at 1.0; activation offload of 21 layers, moved by
 #               XLA and by the trainer
 #   1b-clipped  the same with clip_grad=1
+#   activations the 1.1B shape's activations: full recompute, and all but one layer sending
+#               `qkv` or `all` to the host (moved by XLA and by the trainer), and the weights
+#               of all but two layers kept on the host, against saving everything
 #   plan        the planner on the 8B shape (its time, and no XLA log line in its output), and
 #               the GPU tests
 #   import      the 8B Hugging Face import (run N's command), trained 3 steps and exported
@@ -47,6 +50,19 @@ timed() {  # name, seconds, command...: its output, wall time and XLA log lines 
 case $part in
   1b) bench_1b bench_1b_unclipped optimizer.clip_grad=0 ;;
   1b-clipped) bench_1b bench_1b_clipped optimizer.clip_grad=1 ;;
+  activations)
+    layers="model.cpu_offloading=True model.cpu_offloading_num_layers=21"
+    moved="model.cpu_offloading_double_buffering=True"
+    timeout -k 10 550 python3 -m jaxoffload.bench --config configs/llama_1b.yaml --steps 8 \
+      --out "$out/bench_activations" --resume --settings "baseline again" \
+      --setting "full recompute=model.recompute_granularity=full" \
+      --setting "qkv on 21 layers=$layers" --setting "qkv on 21 layers moved=$layers $moved" \
+      --setting "all on 21 layers=$layers model.cpu_offloading_policy=all" \
+      --setting "all on 21 layers moved=$layers $moved model.cpu_offloading_policy=all" \
+      --setting "weights of 20 layers=model.cpu_offloading=True model.cpu_offloading_num_layers=20 model.cpu_offloading_weights=True" \
+      optimizer.clip_grad=0 > "$out/bench_activations.log" 2>&1
+    echo "bench_activations: exit $?"
+    ;;
   plan)
     timed plan_8b 300 python3 -m jaxoffload.plan --config configs/llama_8b_offload.yaml \
       data.dataset=synthetic
@@ -91,6 +107,6 @@ case $part in
       data.dataset=synthetic > "$out/bench_8b_shipped.log" 2>&1
     echo "bench_8b_shipped: exit $?"
     ;;
-  *) echo "unknown part $part: 1b, 1b-clipped, plan, import, 13b, 8b or 8b-shipped" >&2
+  *) echo "unknown part $part: 1b, 1b-clipped, activations, plan, import, 13b, 8b or 8b-shipped" >&2
      exit 2 ;;
 esac
