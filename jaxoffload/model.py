@@ -61,10 +61,10 @@ class LlamaConfig:
       XLA elsewhere (JAX's own null means XLA, whose backward keeps every layer's
       score matrix).
     scan_layers: run each layer group as a loop over its stacked layers (MaxText's
-      name), which compiles in the time of one layer; False (the default) unrolls the
-      loop over the same stacks: XLA compiles every layer on its own, longer, and
-      schedules the step across them, faster and in less memory
-      (docs/performance.md's baseline). A step run a program per layer
+      name), which compiles in the time of one layer; False unrolls the loop over the
+      same stacks: XLA compiles every layer on its own, longer, and schedules the step
+      across them, on a GPU faster and in less memory (docs/performance.md's baseline;
+      configs/llama_1b.yaml sets it). A step run a program per layer
       (``jaxoffload.train.overlap``) has no loop to unroll.
   """
 
@@ -87,7 +87,7 @@ class LlamaConfig:
   rope_scaling_original_max_position_embeddings: int = 8192
   rms_norm_eps: float = 1e-5
   attention_implementation: Optional[str] = None
-  scan_layers: bool = False
+  scan_layers: bool = True
 
   @property
   def attention(self) -> str:

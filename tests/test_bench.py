@@ -13,10 +13,14 @@ from jaxoffload.bench.__main__ import main as bench_main
 from jaxoffload.train import ConfigError, load_config
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_default_settings_are_valid_configs_with_the_baseline_first(dtype):
-  matrix = settings.default_settings(num_layers=4, bfloat16_compute=dtype == "bfloat16")
+@pytest.mark.parametrize("dtype, scan_layers", [("float32", True), ("bfloat16", False)])
+def test_default_settings_are_valid_configs_with_the_baseline_first(dtype, scan_layers):
+  matrix = settings.default_settings(num_layers=4, bfloat16_compute=dtype == "bfloat16",
+                                     scan_layers=scan_layers)
   assert list(matrix)[0] == "baseline" and matrix["baseline"] == []
+  # The one program the other way than the config's.
+  other = matrix[f"baseline with its layers {'unrolled' if scan_layers else 'scanned'}"]
+  assert load_config(None, other).model.scan_layers is not scan_layers
   # --settings takes them comma-separated.
   assert not [name for name in matrix if "," in name]
   assert {"optimizer 0.25 device", "optimizer 1.0 host", "activations 2 layers",
@@ -117,7 +121,7 @@ def test_settings_of_your_own_run_after_the_baseline_and_are_checked():
   own = "bf16 sums=train.micro_batch_size=4 optimizer.grad_accum_dtype=bfloat16"
   args = _parser().parse_args(["--settings", "optimizer 0.5 device", "--setting", own])
   assert _matrix(args, []) == {
-      "baseline": [], "optimizer 0.5 device": settings.default_settings(4, False)[
+      "baseline": [], "optimizer 0.5 device": settings.default_settings(4, False, True)[
           "optimizer 0.5 device"],
       "bf16 sums": ["train.micro_batch_size=4", "optimizer.grad_accum_dtype=bfloat16"]}
   with pytest.raises(ConfigError, match="optimizer.grad_accum_dtype must be one of"):
@@ -128,7 +132,7 @@ def test_settings_of_your_own_run_after_the_baseline_and_are_checked():
 
 
 def test_memory_plot_labels_say_what_each_setting_overlaps(tmp_path):
-  matrix = settings.default_settings(num_layers=4, bfloat16_compute=True)
+  matrix = settings.default_settings(num_layers=4, bfloat16_compute=True, scan_layers=True)
   results = [{"setting": name, "overrides": overrides} for name, overrides in matrix.items()]
   labels = {r["setting"]: report.curve_label(r) for r in results}
   assert labels["optimizer 0.5 host_kernel no overlap"] == "update on host_kernel no overlap"

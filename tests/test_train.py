@@ -105,8 +105,8 @@ SLOW = pytest.mark.slow
                   "optimizer.optimizer_offload_update_on=device"], marks=SLOW,
                  id="weights-and-optimizer"),
     pytest.param(["train.micro_batch_size=4"], marks=SLOW, id="accumulation"),
-    # The layers' loop kept: the same stacks, the same numbers.
-    pytest.param(["model.scan_layers=True"], marks=SLOW, id="layers-scanned"),
+    # The layers' loop unrolled: the same stacks, the same numbers.
+    pytest.param(["model.scan_layers=False"], marks=SLOW, id="layers-unrolled"),
     # A program per layer where nothing needs it: without offload, beside the streamed update.
     pytest.param(["train.per_layer_step=True", "train.micro_batch_size=4"], marks=SLOW,
                  id="per-layer-accumulation"),
@@ -264,14 +264,14 @@ def test_fsdp_gathers_weights_never_activations(offload):
   assert not [shape for shape in gathered if shape.startswith(activation)], gathered
 
 
-def test_the_layers_loop_is_unrolled_unless_scan_layers():
+def test_scan_layers_false_unrolls_the_layers_loop():
   def loops(*overrides):
     setup = resolve(load_config(None, list(overrides)))
     trainer, tokens = Trainer.from_shapes(setup), setup.global_batch(0)
     return trainer.programs.step.lower(trainer.params, trainer.host_params, trainer.opt_state,
                                        tokens).as_text().count("stablehlo.while")
 
-  assert loops() == 0 and loops("model.scan_layers=True") > 0
+  assert loops() > 0 and loops("model.scan_layers=False") == 0
 
 
 @pytest.mark.slow

@@ -3,7 +3,7 @@
   python -m jaxoffload.bench --config configs/llama_1b.yaml --steps 10 --out bench/llama_1b
 
 Runs the trainer once per setting (baseline, twice, as a program per layer and
-with its layers' loop scanned; optimizer offload at fractions 0.25, 0.5 and 1.0 with every other key at its
+with its layers' loop unrolled, or scanned where the config unrolls it; optimizer offload at fractions 0.25, 0.5 and 1.0 with every other key at its
 default, then with each update placement, the device placement and the host
 kernel with and without overlap, and the host kernel with bfloat16 transfers (a
 model that computes in bfloat16); activation offload of half and of all but one
@@ -121,7 +121,8 @@ def _parser() -> argparse.ArgumentParser:
 def _matrix(args: argparse.Namespace, common: list[str]) -> dict[str, list[str]]:
   """The settings to run, each checked as a config before any runs."""
   model = load_config(args.config, common).model
-  matrix = settings.default_settings(model.num_layers, model.dtype == "bfloat16")
+  matrix = settings.default_settings(model.num_layers, model.dtype == "bfloat16",
+                                     model.scan_layers)
   if model.dtype != "bfloat16" and not args.settings:
     print(settings.BF16_TRANSFERS_NOTE, file=sys.stderr)
   if args.settings or args.setting:
