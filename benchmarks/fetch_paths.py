@@ -12,7 +12,8 @@ layer's weights. The weights come over either
   runs in turn with the compute programs; or
 - ``device_put``: ``jax.device_put`` of a numpy view of the layer's bytes in the
   same pinned buffer, issued a layer ahead: the runtime's own transfer, which may
-  run beside the compute.
+  run beside the compute. (The trainer reads the host kernel's weights by the
+  program: this way was no faster there, docs' run BW.)
 
 Rows: the compute alone, each fetch alone (its bandwidth), and the compute with
 each fetch; medians of ``--repeats`` after a warm-up. A fetch hidden by the
@@ -22,6 +23,7 @@ compute shows as a row near "compute alone".
 from __future__ import annotations
 
 import argparse
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -90,11 +92,15 @@ def main() -> None:
     results.append({"setting": name, "seconds": seconds,
                     "GB/s": round(moved / seconds / 1e9, 1) if moved else None})
   base = results[0]["seconds"]
-  table = "| setting | ms | vs compute alone | GB/s |\n|---|---|---|---|\n" + "\n".join(
-      f"| {r['setting']} | {r['seconds'] * 1e3:.1f} | {r['seconds'] / base:.2f}x | "
-      f"{r['GB/s'] or '-'} |" for r in results)
-  meta = metadata(__import__("sys").argv) | {"layer_bytes": stack.nbytes // args.layers}
-  write_report(args.out, meta, results, table)
+  meta = metadata(sys.argv) | {"layer_bytes": stack.nbytes // args.layers}
+  lines = [f"# A layer's weights from pinned memory, {args.layers} layers of "
+           f"{args.layer_mib:g} MiB", "",
+           f"Device: {meta['device']}; JAX {meta['jax']}; {meta['date']}.",
+           f"Command: `{meta['command']}`", "",
+           "| setting | ms | vs compute alone | GB/s |", "|---|---|---|---|"]
+  lines += [f"| {r['setting']} | {r['seconds'] * 1e3:.1f} | {r['seconds'] / base:.2f}x | "
+            f"{r['GB/s'] or '-'} |" for r in results]
+  write_report(args.out, meta, results, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

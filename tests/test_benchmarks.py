@@ -34,6 +34,8 @@ def test_every_benchmark_has_help(script, capsys, monkeypatch):
 @pytest.mark.parametrize("args, rows", [
     (["benchmarks/host_adam.py", "--params", "1", "--repeats", "1"], "method"),
     (["benchmarks/copy_duplex.py", "--gib", "0.01", "--repeats", "2"], "copies"),
+    (["benchmarks/fetch_paths.py", "--layers", "3", "--layer-mib", "1", "--width", "64",
+      "--matmuls", "1", "--repeats", "1"], "GB/s"),
     (["benchmarks/activation_offload.py", "--size", "miniature", "--seq", "32", "--batch", "2",
       "--steps", "1", "--modes", "save,offload:all:qkv"], "mode"),
     (["benchmarks/optimizer_step.py", "--size", "miniature", "--steps", "1", "--fractions", "0.5",

@@ -2,8 +2,9 @@
 
   python -m jaxoffload.bench --config configs/llama_1b.yaml --steps 10 --out bench/llama_1b
 
-Runs the trainer once per setting (baseline, twice, as a program per layer and
-with its layers' loop unrolled, or scanned where the config unrolls it; optimizer offload at fractions 0.25, 0.5 and 1.0 with every other key at its
+Runs the trainer once per setting (baseline, twice, as a program per layer and as
+one program with its layers' loop unrolled, or kept where the config unrolls it;
+optimizer offload at fractions 0.25, 0.5 and 1.0 with every other key at its
 default, then with each update placement, the device placement and the host
 kernel with and without overlap, and the host kernel with bfloat16 transfers (a
 model that computes in bfloat16); activation offload of half and of all but one

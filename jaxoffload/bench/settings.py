@@ -20,8 +20,9 @@ BF16_TRANSFERS_NOTE = ("note: the host kernel's bf16 transfers settings are left
 def default_settings(num_layers: int, bfloat16_compute: bool, scan_layers: bool
                      ) -> dict[str, list[str]]:
   """Setting name -> trainer overrides; the baseline first (and again as a program per
-  layer, and with its layers' loop unrolled, or scanned where the config unrolls it), then each fraction with every other key at
-  its default (auto placement and transfers), then each placement named.
+  layer, and as one program with its layers' loop unrolled, or kept where the config
+  unrolls it: ``scan_layers``), then each fraction with every other key at its default
+  (auto placement and transfers), then each placement named.
   bfloat16 transfers of the host kernel's weights and gradients are priced only for a model
   that computes in bfloat16 (``BF16_TRANSFERS_NOTE``)."""
   optimizer = lambda f, place: ["optimizer.optimizer_cpu_offload=True",
