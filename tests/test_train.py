@@ -105,8 +105,12 @@ SLOW = pytest.mark.slow
                   "optimizer.optimizer_offload_update_on=device"], marks=SLOW,
                  id="weights-and-optimizer"),
     pytest.param(["train.micro_batch_size=4"], marks=SLOW, id="accumulation"),
-    # The layers' loop unrolled: the same stacks, the same numbers.
+    # The layers' loop unrolled (as configs/llama_1b.yaml runs): the same stacks, the same
+    # numbers, with XLA's activation and weights offload inside the unrolled program too.
     pytest.param(["model.scan_layers=False"], marks=SLOW, id="layers-unrolled"),
+    pytest.param(["model.scan_layers=False", "model.cpu_offloading=True",
+                  "model.cpu_offloading_num_layers=3", "model.cpu_offloading_weights=True"],
+                 marks=SLOW, id="layers-unrolled-activations-and-weights"),
     # A program per layer where nothing needs it: without offload, beside the streamed update.
     pytest.param(["train.per_layer_step=True", "train.micro_batch_size=4"], marks=SLOW,
                  id="per-layer-accumulation"),
