@@ -106,8 +106,8 @@ SLOW = pytest.mark.slow
                  id="weights-and-optimizer"),
     pytest.param(["train.micro_batch_size=4"], marks=SLOW, id="accumulation"),
     # The layers' loop unrolled (as configs/llama_1b.yaml runs): the same stacks, the same
-    # numbers, with XLA's activation and weights offload inside the unrolled program too.
-    pytest.param(["model.scan_layers=False"], marks=SLOW, id="layers-unrolled"),
+    # numbers, in the group that offloads (XLA's activation and weights offload inside the
+    # unrolled program) and in the one that does not.
     pytest.param(["model.scan_layers=False", "model.cpu_offloading=True",
                   "model.cpu_offloading_num_layers=3", "model.cpu_offloading_weights=True"],
                  marks=SLOW, id="layers-unrolled-activations-and-weights"),
