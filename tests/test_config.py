@@ -181,8 +181,9 @@ def test_every_shipped_config_loads(path):
 # offload is test_train's).
 TINY_WIDTH = ["model.scan_layers=True", "model.vocab_size=256", "model.hidden_size=64",
               "model.intermediate_size=176", "model.num_attention_heads=8",
-              "model.num_query_groups=4", "model.seq_length=32", "train.global_batch_size=2", "train.micro_batch_size=2", "train.train_iters=2",
-              "optimizer.lr_warmup_iters=1", "logging.progress_bar=False"]
+              "model.num_query_groups=4", "model.seq_length=32", "train.global_batch_size=2",
+              "train.micro_batch_size=2", "train.train_iters=2", "optimizer.lr_warmup_iters=1",
+              "logging.progress_bar=False"]
 
 
 @pytest.mark.slow
