@@ -7,6 +7,7 @@ import jax
 import pytest
 
 from jaxoffload import autoplace, plan
+from jaxoffload.memory import offloaded_activation_bytes
 from jaxoffload.plan import search
 from jaxoffload.train import fit, load_config, resolve, train
 from jaxoffload.train.step import CompiledStep, Trainer, resident_device_bytes
@@ -220,6 +221,25 @@ def test_a_ladder_whose_offload_the_rules_refuse_says_why_at_its_own_micro_batch
   assert row.micro_batch_size == 2
   assert row.verdict.startswith("refused: model.cpu_offloading_double_buffering=True runs the "
                                 "model a program per layer: with several micro-batches")
+
+
+def test_a_moved_ladders_peak_counts_the_originals_the_link_leaves_on_the_device(
+    compiled_as_resident):
+  config = load_config(None, ["train.global_batch_size=4", "train.micro_batch_size=4",
+                              "model.cpu_offloading=True", "model.cpu_offloading_num_layers=3",
+                              "model.cpu_offloading_double_buffering=True"])
+  budgets = fit.Budgets(device=10**12, host=10**12)
+  peaks = []
+  # A link fast enough to keep up, and one so slow that no copy out ends in the step.
+  for machine in (MACHINE, dataclasses.replace(MACHINE, device_to_host=1.0, host_to_device=1.0)):
+    ladder = fit.Ladder(config, "moved", [], ("device", None), machine, CALIBRATION, 0)
+    ladder.least(budgets)
+    ladder.predict(budgets, {})
+    peaks.append(ladder.verify(budgets, {}).device_bytes)
+  setup = resolve(config)
+  each = offloaded_activation_bytes(setup.model, setup.groups, 4, setup.model.seq_length) / 3
+  # All three layers' originals held: one beyond the two the compiled step counts.
+  assert peaks[1] - peaks[0] == int(each)
 
 
 @pytest.mark.parametrize("grows", [False, True], ids=["as-predicted", "mispredicted"])

@@ -191,33 +191,38 @@ def test_an_unclipped_overlapped_step_sends_no_gradient_ahead_of_the_hosts_updat
 
 @SLOW
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (the CPU backend has them in CI)")
-def test_moved_activations_leave_for_pinned_host_and_return_a_layer_ahead(monkeypatch):
-  from jaxoffload.train import overlap
-  original, moves = overlap._placed, []
+def test_moved_activations_come_back_a_layer_ahead_or_are_read_where_they_are(monkeypatch):
+  from jaxoffload.train import moved
+  original, copies = moved.placed, []
 
-  def recorded(kept, memory_kind):  # Per call: from where, to where.
-    moves.append(({x.sharding.memory_kind for x in kept}, memory_kind))
-    return original(kept, memory_kind)
+  def recorded(arrays, memory_kind):  # Per copy: from where, to where.
+    copies.append(({x.sharding.memory_kind for x in arrays}, memory_kind))
+    return original(arrays, memory_kind)
 
-  monkeypatch.setattr(overlap, "_placed", recorded)
+  monkeypatch.setattr(moved, "placed", recorded)
   mesh = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
-  params = {}
-  for moved in (False, True):
+
+  def trained(double_buffering):
     setup = resolve(load_config(None, [*MOVED[:2], *mesh,
-                                       f"model.cpu_offloading_double_buffering={moved}"]))
-    assert setup.runs_per_layer == moved
+                                       f"model.cpu_offloading_double_buffering={double_buffering}"]))
+    assert setup.runs_per_layer == double_buffering
     trainer = Trainer(setup)
     for i in range(2):
       trainer.step(setup.global_batch(i))
-    params[moved] = jax.tree.leaves(trainer.params)
-  # The same float32 steps as XLA's offload inside one program.
-  assert max_rel_diff(params[True], params[False]) <= 1e-6
-  # Per step, layers 0 and 1 leave after their forward programs; going backward, each comes
-  # back while the layer above it is popped for its backward program: a layer ahead.
+    return jax.tree.leaves(trainer.params)
+
+  one_program = trained(False)  # XLA's offload inside one program.
   device, host = {"device"}, {"pinned_host"}
-  step = [(device, "pinned_host"), (device, "pinned_host"),
-          (host, "device"),  # Popping layer 2 (not moved, as layer 3), layer 1 starts back.
-          (device, "device"),  # Layer 1, back already; layer 0 starts back.
-          (host, "device"),
-          (device, "device")]  # Layer 0.
-  assert moves == 2 * step
+  # Per step, layers 0 and 1 leave after their forward programs. Going backward, where the
+  # link keeps up, each comes back while the layer above it is popped for its backward
+  # program (layer 1 under layer 2, which is not moved, as layer 3); where it is behind,
+  # no copy has ended and each backward program reads its original.
+  expected = {True: [(device, "pinned_host"), (device, "pinned_host"),
+                     (host, "device"), (host, "device")],
+              False: [(device, "pinned_host"), (device, "pinned_host")]}
+  for link_keeps_up in (True, False):
+    monkeypatch.setattr(moved, "copy_ended", lambda copy, ended=link_keeps_up: ended)
+    copies.clear()
+    # The same float32 steps either way.
+    assert max_rel_diff(trained(True), one_program) <= 1e-6
+    assert copies == 2 * expected[link_keeps_up]

@@ -42,24 +42,36 @@ def test_a_step_is_predicted_as_the_sum_of_its_parts():
   assert step_time.predict_s(setup, None, MACHINE) == pytest.approx(added + summing)
 
 
-def test_a_moved_layer_costs_a_saved_layer_and_what_of_its_copies_its_neighbours_leave_bare():
+def test_a_moved_layer_costs_a_saved_layer_and_the_copies_back_it_waits_for():
   setup = resolve(load_config(None, ["model.cpu_offloading=True",
                                      "model.cpu_offloading_num_layers=3",
                                      "model.cpu_offloading_double_buffering=True"]))
-  c = CALIBRATION  # At the config's micro-batch of 8.
+  c = CALIBRATION  # At the config's micro-batch of 8: a saved layer's 4 ms.
   adam = sum(x.size for x in jax.tree.leaves(setup.param_shapes)) * 28 / c.device_bandwidth
   saved = c.fixed_s + 4 * c.layer_s["save"]
-  # This small a layer's copies hide under its neighbours' compute...
-  assert step_time.predict_s(setup, c, MACHINE) == pytest.approx(saved + adam)
-  # ... and on a link where the copy out takes 2 ms and the copy back 4 ms, a third and
-  # two thirds of the 4 ms layer hide them in part: 2 ms a layer bare, over 3 layers.
   each = offloaded_activation_bytes(setup.model, setup.groups, 8, setup.model.seq_length) / 3
-  slow = dataclasses.replace(MACHINE, device_to_host=each / 0.002, host_to_device=each / 0.004)
-  assert step_time.predict_s(setup, c, slow) == pytest.approx(saved + adam + 3 * 0.002)
+  link = lambda out_s, back_s: dataclasses.replace(MACHINE, device_to_host=each / out_s,
+                                                   host_to_device=each / back_s)
+  # This small a layer's copies hide under its neighbours' compute.
+  assert step_time.predict_s(setup, c, MACHINE) == pytest.approx(saved + adam)
+  assert step_time.moved_copies(setup, c, MACHINE).held_bytes == 0
+  # Copies out of 8 ms each end 9.3, 17.3 and 25.3 ms into the micro-batch; its backward
+  # pass reaches the moved layers at 18 ms (their forward passes' 4 ms, the last layer's
+  # and the rest's 14). Layer 2 reads its original; layers 1 and 0 come back, 4 ms each,
+  # started as the layer above starts its 2.7 ms backward pass: 1.3 ms bare each.
+  slow = link(0.008, 0.004)
+  bare = 2 * (0.004 - 2 * 0.004 / 3)
+  assert step_time.moved_copies(setup, c, slow).wait_s == pytest.approx(bare)
+  assert step_time.predict_s(setup, c, slow) == pytest.approx(saved + adam + bare)
+  # Where no copy out has ended by then, every layer reads its original: nothing waits, and
+  # the device holds all three layers', one beyond the two a compiled step counts.
+  stuck = step_time.moved_copies(setup, c, link(1.0, 1.0))
+  assert (stuck.wait_s, stuck.held_bytes) == (pytest.approx(0.0), int(each))
   # With no layer offloaded there is nothing to move.
   unmoved = resolve(load_config(None, ["model.cpu_offloading=True",
                                        "model.cpu_offloading_double_buffering=True"]))
   assert step_time.predict_s(unmoved, c, slow) == pytest.approx(saved + adam)
+  assert step_time.moved_copies(unmoved, c, slow) is None
 
 
 def test_auto_offload_needs_the_master_switch():

@@ -23,7 +23,7 @@ from jaxoffload.train.config import Config, ConfigError
 from jaxoffload.train.loading import override
 from jaxoffload.train.resolve import Setup, resolve
 from jaxoffload.train.step import Trainer, resident_device_bytes
-from jaxoffload.train.step_time import Calibration, predict_s
+from jaxoffload.train.step_time import Calibration, moved_copies, predict_s
 from jaxoffload.train.update_place import candidate_places, kernel_formats
 
 DEVICE_HEADROOM = 0.05  # XLA's estimate leaves out fragmentation and the runtime's own use.
@@ -304,13 +304,15 @@ class Ladder:
 
   def _fits(self, step: int, budgets: Budgets, device_bytes: dict) -> bool:
     """Whether step ``step``'s compiled peak fits the device; its row, with that peak, kept
-    in ``_compiled``."""
+    in ``_compiled``. With a calibration, the peak counts the moved activations' originals
+    that the link leaves on the device (``step_time.moved_copies``)."""
     setup, candidate = self.judge(step)
     if candidate.overrides not in device_bytes:
       tokens = setup.global_batch(0)
+      moved = self.calibration and moved_copies(setup, self.calibration, self.machine)
       device_bytes[candidate.overrides] = Trainer.from_shapes(setup).compile(
           jax.ShapeDtypeStruct(tokens.shape, tokens.dtype, sharding=tokens.sharding)
-      ).device_bytes
+      ).device_bytes + (moved.held_bytes if moved else 0)
     self._compiled[step] = dataclasses.replace(candidate,
                                                device_bytes=device_bytes[candidate.overrides])
     return budgets.fits_device(self._compiled[step])

@@ -12,7 +12,7 @@ update is applied: the device computes the first layers while the host
 updates the later ones.
 The update is the single program's (exact, the same clipping); only when the
 host applies it moves. A step's host gradients leave the device as each layer's
-backward program ends, copied beside the next program (``_placed``). Without
+backward program ends, copied beside the next program (``moved.placed``). Without
 clipping (``optimizer.clip_grad=0``) the update needs no global norm, and the
 thread starts on each piece as soon as its gradient is on the host: during this
 step's backward pass. With clipping, after a step that did not clip, it starts
@@ -35,7 +35,8 @@ host never holds a whole step's.
 With ``model.cpu_offloading_double_buffering`` (``Setup.moves_activations``), with or
 without the host kernel, an offloaded layer's forward program keeps its activations on
 the device; they go to pinned_host as the program ends, while the next layer's runs, and
-come back while the layer above runs its backward program (``_placed``).
+come back while the layer above runs its backward program, unless the link is still
+behind (``train.moved``).
 """
 
 from __future__ import annotations
@@ -48,8 +49,9 @@ import jax
 import numpy as np
 
 from jaxoffload import layered
-from jaxoffload._compat import DEVICE_KIND, PINNED_HOST
+from jaxoffload._compat import PINNED_HOST
 from jaxoffload.host_offload import HostAdamW
+from jaxoffload.train.moved import Moves, Pacer, placed
 from jaxoffload.train.pieces import PiecePrograms
 from jaxoffload.train.programs import StepPrograms
 
@@ -71,6 +73,7 @@ class _Step(NamedTuple):
   fetched: dict  # Per piece, its host kernel leaves on the device.
   sums: dict  # Per piece, its gradients' sums over the micro-batches so far.
   step: Any  # The update's count, which salts the sums' rounding; None for one micro-batch.
+  moves: Moves  # The moved layers' activations.
 
 
 class OverlappedStep:
@@ -100,9 +103,14 @@ class OverlappedStep:
     holds this step's update of its leaves, to apply during the next step (``HostAdamW.hold``;
     ``HostAdamW.apply_held`` before reading them otherwise)."""
 
+    pacer = Pacer() if self.piece.moved else None
+
     def run(key, jitted, static, *args):
       compiled = self._compiled.get(key)
-      return compiled(*args) if compiled is not None else jitted(*static, *args)
+      outputs = compiled(*args) if compiled is not None else jitted(*static, *args)
+      if pacer is not None:  # Whether a copy has ended is then asked near the device's time.
+        pacer.dispatched(outputs)
+      return outputs
 
     return self._chain(device_leaves, [] if host is None else host.params, opt_state, tokens,
                        run, host)
@@ -139,8 +147,9 @@ class OverlappedStep:
       if not heads and key == "embed forward":  # One micro-batch's: the first.
         saved.append(nbytes(jax.tree.leaves(out[1])))
       if not heads and key.startswith("forward"):
-        # What the step moves to host memory is on the device for two layers at most: the
-        # one leaving, and the one coming back ahead of its backward program.
+        # What the step moves to host memory is on the device for two layers where the link
+        # keeps up (more where it is behind, ``train.moved``): the one leaving, and the one
+        # coming back ahead of its backward program.
         (moved if static[0] in self.piece.moved else saved).append(
             nbytes(jax.tree.leaves(out[1])))
         if self.piece.layouts[static[0]].takes_input:
@@ -188,7 +197,7 @@ class OverlappedStep:
     with a ``host``, its held pieces applied as the first forward programs need them."""
     n = self.piece.micro_batches
     step = run("count", self.piece.count, (), opt_state) if n > 1 else None
-    this = _Step(device_leaves, host_params, tokens, run, host, {}, {}, step)
+    this = _Step(device_leaves, host_params, tokens, run, host, {}, {}, step, Moves())
     loss = None
     for micro in range(n - 1):  # Their gradients go into the sums.
       loss = self._add_micro_batch(this, micro, loss)
@@ -246,7 +255,7 @@ class OverlappedStep:
         y, kept = this.run(f"forward {name}", self.piece.forward, (name,),
                            *weights(name, index, release=False), np.int32(index), x)
         if name in self.piece.moved:  # Copied out while the next layer's program runs.
-          kept = _placed(kept, PINNED_HOST)
+          kept = this.moves.leave(kept)
         saved.append((name, index, x if self.piece.layouts[name].takes_input else None, kept))
         x = y
     loss, dx, shared_embed, head_grads = this.run(
@@ -264,10 +273,10 @@ class OverlappedStep:
     stage, adds, sums = self._stage(micro), not last, this.sums
     while saved:  # Each layer's activations (and, the last time, weights) go as it ends.
       name, index, x, kept = saved.pop()
-      if name in self.piece.moved:  # Where it was not brought back ahead.
-        kept = _placed(kept, DEVICE_KIND)
+      if name in self.piece.moved:
+        kept = this.moves.on_device(kept)
       if saved and saved[-1][0] in self.piece.moved:  # The next one's, under this program.
-        saved[-1] = (*saved[-1][:3], _placed(saved[-1][3], DEVICE_KIND))
+        this.moves.ahead(saved[-1][3])
       if last and this.host is not None:
         # No more of the host's gradients ahead of its update than this: the device waits
         # rather than fill host memory with a whole step's.
@@ -326,15 +335,7 @@ class OverlappedStep:
     pieces = {}
     for name, (host, square_sum, device) in grads.items():
       if host:
-        pieces.update(zip(self.piece.host_pieces(name, index), _placed(host, PINNED_HOST)))
+        pieces.update(zip(self.piece.host_pieces(name, index), placed(host, PINNED_HOST)))
       squares.append(square_sum)
       device_grads.setdefault(name, []).append(device)
     return pieces
-
-
-def _placed(kept: list, memory_kind: str) -> list:
-  """``kept``'s arrays in ``memory_kind`` (a copy each that runs beside the device's programs;
-  none where they are there already); shapes, while compiling, as they are."""
-  return [jax.device_put(x, x.sharding.with_memory_kind(memory_kind))
-          if isinstance(x, jax.Array) and x.sharding.memory_kind != memory_kind else x
-          for x in kept]

@@ -12,10 +12,10 @@ A step is predicted to take the sum of:
   shrink with it);
 - where the trainer moves the offloaded layers' activations
   (``model.cpu_offloading_double_buffering``), each such layer costs a saved
-  layer's time plus what of its copies the neighbouring layers' compute does not
-  hide: the copy out runs beside the next layer's forward pass, the copy back
-  beside the layer above's backward pass (a layer's forward pass is taken as a
-  third of its time, its backward pass two thirds), at this machine's link rates;
+  layer's time plus what the device waits for copies back (``moved_copies``
+  follows ``train.moved``'s copies through a micro-batch at this machine's link
+  rates, a layer's forward pass taken as a third of its time, its backward pass
+  two thirds);
 - the device's AdamW on the leaves it keeps: their bytes over the device's
   copy bandwidth, measured alongside;
 - what optimizer offload adds: ``autoplace``'s prices from this machine's
@@ -111,15 +111,58 @@ def _moved_mode(config: Config) -> Optional[str]:
   return _offload_mode(config) if moved else None
 
 
-def _unhidden_copies_s(setup: Setup, layer_s: float, machine: autoplace.Machine) -> float:
-  """What a moved layer's copies add to a micro-batch, beyond the neighbouring layers'
-  ``layer_s`` of compute (forward a third, backward two thirds) that they run beside."""
+@dataclasses.dataclass(frozen=True)
+class MovedCopies:
+  """What moving the offloaded layers' activations costs a micro-batch (``train.moved``).
+
+  Attributes:
+    wait_s: the seconds the device waits for copies back.
+    held_bytes: one device's bytes of originals still held as the backward pass reaches
+      the moved layers (their copies out not ended), beyond the two layers' that a
+      compiled step counts (``OverlappedStep.compile``).
+  """
+
+  wait_s: float
+  held_bytes: int
+
+
+def moved_copies(setup: Setup, calibration: Calibration, machine: autoplace.Machine
+                 ) -> Optional[MovedCopies]:
+  """``train.moved``'s copies through one micro-batch of ``setup``, followed in time: the
+  copies out start as each moved layer's forward pass ends, one after another on the link;
+  going backward, each layer's is chosen as the layer above's backward pass starts: its
+  original if its copy has not ended, else the copy back, one after another on the link,
+  which its backward pass waits for. None where the trainer moves nothing."""
+  if _moved_mode(setup.config) is None:
+    return None
   t, m = setup.config.train, setup.config.model
   layers = m.cpu_offloading_num_layers
   each = offloaded_activation_bytes(setup.model, setup.groups, t.micro_batch_size,
                                     m.seq_length) / layers / setup.mesh.size
-  return (max(each / machine.device_to_host - layer_s / 3, 0.0)
-          + max(each / machine.host_to_device - 2 * layer_s / 3, 0.0))
+  scale = calibration.scale(t.micro_batch_size)
+  layer_s = scale * calibration.layer_s["save"]
+  forward, backward = layer_s / 3, 2 * layer_s / 3
+  # The rest of the model's compute runs between the moved layers' forward and backward passes.
+  between = scale * calibration.fixed_s + sum(
+      n * scale * calibration.layer_s[mode] for mode, n in layer_modes(setup.config).items()
+      if mode != _moved_mode(setup.config))
+  ended, link = [], 0.0
+  for layer in range(layers):
+    link = max((layer + 1) * forward, link) + each / machine.device_to_host
+    ended.append(link)
+  turn = layers * forward + between
+  held = sum(end > turn for end in ended)
+  # ``above``: when the layer above starts its backward pass (the first's, a saved layer's
+  # or the head's, taken as a saved layer's); ``link``: when the link back is free.
+  now, above, link = turn, turn - backward, 0.0
+  for layer in reversed(range(layers)):
+    ready = above  # The original, its copy out not ended.
+    if ended[layer] <= above:
+      link = max(above, link) + each / machine.host_to_device
+      ready = link
+    above = max(now, ready)
+    now = above + backward
+  return MovedCopies(now - turn - layers * backward, int(each * max(held - 2, 0)))
 
 
 def predict_s(setup: Setup, calibration: Optional[Calibration], machine: autoplace.Machine
@@ -136,8 +179,7 @@ def predict_s(setup: Setup, calibration: Optional[Calibration], machine: autopla
     layer_s = lambda mode: calibration.layer_s["save" if mode == moved else mode]
     compute = calibration.fixed_s + sum(n * layer_s(mode)
                                         for mode, n in layer_modes(config).items())
-    copies = (0.0 if moved is None else config.model.cpu_offloading_num_layers
-              * _unhidden_copies_s(setup, scale * calibration.layer_s["save"], machine))
+    copies = 0.0 if moved is None else moved_copies(setup, calibration, machine).wait_s
     on_device = sum(n for n, off in zip(elements, offloaded) if not (off and setup.host_kernel))
     total = (setup.micro_batches * (scale * compute + copies)
              + on_device * _ADAM_BYTES_PER_ELEMENT / calibration.device_bandwidth)

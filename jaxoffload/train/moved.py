@@ -1,0 +1,118 @@
+"""Activations the trainer moves to pinned_host between a layer's programs (``train.overlap``).
+
+A moved layer's forward program keeps its activations on the device; a copy
+to pinned_host starts as the program ends, beside the next layer's program.
+The device original is let go once its copy has ended: until then the device
+holds it anyway (the copy reads it). Going backward, a layer's activations
+are wanted one layer ahead of its backward program. Where the original is
+still held then (the link is behind the device), the program reads it and
+nothing comes back: at the end of a fast forward pass the last layers'
+copies have not ended, and waiting for them to end and come back would
+leave the device idle. Elsewhere the copy starts back beside the layer
+above's backward program.
+
+Each choice is made as Python dispatches programs; ``Pacer`` keeps Python
+within ``PROGRAMS_AHEAD`` programs of the device, so that a copy seen
+unfinished is unfinished at about that point of the device's step, and the
+copies back start no earlier than they are wanted (each takes device memory
+as it starts).
+
+Example:
+  >>> moves, pacer = Moves(), Pacer()
+  >>> layer = moves.leave(kept)         # As its forward program is dispatched.
+  >>> moves.ahead(layer)                # As the layer above's backward program is.
+  >>> kept = moves.on_device(layer)     # For its own.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import jax
+
+from jaxoffload._compat import DEVICE_KIND, PINNED_HOST
+
+# How many programs the dispatching thread may run ahead of the device while activations
+# move: two keep one queued behind the one running.
+PROGRAMS_AHEAD = 2
+
+
+def placed(arrays: list, memory_kind: str) -> list:
+  """``arrays`` in ``memory_kind`` (a copy each that runs beside the device's programs; none
+  where they are there already); shapes, while compiling, as they are."""
+  return [jax.device_put(x, x.sharding.with_memory_kind(memory_kind))
+          if isinstance(x, jax.Array) and x.sharding.memory_kind != memory_kind else x
+          for x in arrays]
+
+
+def copy_ended(copy: list) -> bool:
+  """Whether every array of ``copy`` is written (shapes, while compiling, are)."""
+  return all(x.is_ready() for x in copy if isinstance(x, jax.Array))
+
+
+class MovedLayer:
+  """One layer's moved activations.
+
+  Attributes:
+    original: on the device, as its forward program kept them; None once let go.
+    copy: in pinned_host; None once the original is chosen for the backward program.
+    back: the copy brought back to the device; None until it starts back.
+  """
+
+  def __init__(self, kept: list):
+    self.original = kept
+    self.copy = placed(kept, PINNED_HOST)
+    self.back = None
+
+
+class Moves:
+  """A step's moved layers, their originals let go as their copies end."""
+
+  def __init__(self):
+    # Those whose originals are held, in the order they left: their copies end in it.
+    self._held: collections.deque[MovedLayer] = collections.deque()
+
+  def leave(self, kept: list) -> MovedLayer:
+    """Starts a layer's activations to pinned_host."""
+    layer = MovedLayer(kept)
+    self._held.append(layer)
+    self.release()
+    return layer
+
+  def release(self) -> None:
+    """Lets go of the originals whose copies have ended."""
+    while self._held and copy_ended(self._held[0].copy):
+      self._held.popleft().original = None
+
+  def ahead(self, layer: MovedLayer) -> None:
+    """Chooses where ``layer``'s backward program reads its activations, a layer ahead: the
+    original while it is held, else the copy, which starts back now."""
+    if layer.back is not None or layer.copy is None:  # Chosen already.
+      return
+    self.release()
+    if layer.original is not None:
+      # The last held: the backward pass takes the layers in the reverse of their order.
+      self._held.pop()
+      layer.copy = None
+    else:
+      layer.back = placed(layer.copy, DEVICE_KIND)
+
+  def on_device(self, layer: MovedLayer) -> list:
+    """``layer``'s activations on the device, for its backward program."""
+    self.ahead(layer)
+    return layer.original if layer.original is not None else layer.back
+
+
+class Pacer:
+  """Keeps the dispatching thread within ``PROGRAMS_AHEAD`` programs of the device."""
+
+  def __init__(self):
+    self._programs: collections.deque[list] = collections.deque()
+
+  def dispatched(self, outputs: Any) -> None:
+    """Records a program's outputs; waits for the program ``PROGRAMS_AHEAD`` before it."""
+    self._programs.append([x for x in jax.tree.leaves(outputs) if isinstance(x, jax.Array)])
+    if len(self._programs) > PROGRAMS_AHEAD:
+      # Outputs a later program took (donated) are gone; any other one ends with it.
+      jax.block_until_ready([x for x in self._programs.popleft() if not x.is_deleted()])
