@@ -11,14 +11,15 @@ copies have not ended, and waiting for them to end and come back would
 leave the device idle. Elsewhere the copy starts back beside the layer
 above's backward program.
 
-Each choice is made as Python dispatches programs; ``Pacer`` keeps Python
-within ``PROGRAMS_AHEAD`` programs of the device, so that a copy seen
+Each choice is made as Python dispatches programs; ``Moves.dispatched`` keeps
+Python within ``PROGRAMS_AHEAD`` programs of the device, so that a copy seen
 unfinished is unfinished at about that point of the device's step, and the
 copies back start no earlier than they are wanted (each takes device memory
 as it starts).
 
 Example:
-  >>> moves, pacer = Moves(), Pacer()
+  >>> moves = Moves()
+  >>> moves.dispatched(outputs)         # After each program of the step.
   >>> layer = moves.leave(kept)         # As its forward program is dispatched.
   >>> moves.ahead(layer)                # As the layer above's backward program is.
   >>> kept = moves.on_device(layer)     # For its own.
@@ -72,12 +73,22 @@ class Moves:
   def __init__(self):
     # Those whose originals are held, in the order they left: their copies end in it.
     self._held: collections.deque[MovedLayer] = collections.deque()
+    # The outputs of the programs the device may not have run yet.
+    self._programs: collections.deque[list] = collections.deque()
+
+  def dispatched(self, outputs: Any) -> None:
+    """After a program is dispatched, with its outputs: waits for the program
+    ``PROGRAMS_AHEAD`` before it, then lets go of the originals whose copies have ended."""
+    self._programs.append([x for x in jax.tree.leaves(outputs) if isinstance(x, jax.Array)])
+    if len(self._programs) > PROGRAMS_AHEAD:
+      # Outputs a later program took (donated) are gone; any other one ends with it.
+      jax.block_until_ready([x for x in self._programs.popleft() if not x.is_deleted()])
+    self.release()
 
   def leave(self, kept: list) -> MovedLayer:
     """Starts a layer's activations to pinned_host."""
     layer = MovedLayer(kept)
     self._held.append(layer)
-    self.release()
     return layer
 
   def release(self) -> None:
@@ -102,17 +113,3 @@ class Moves:
     """``layer``'s activations on the device, for its backward program."""
     self.ahead(layer)
     return layer.original if layer.original is not None else layer.back
-
-
-class Pacer:
-  """Keeps the dispatching thread within ``PROGRAMS_AHEAD`` programs of the device."""
-
-  def __init__(self):
-    self._programs: collections.deque[list] = collections.deque()
-
-  def dispatched(self, outputs: Any) -> None:
-    """Records a program's outputs; waits for the program ``PROGRAMS_AHEAD`` before it."""
-    self._programs.append([x for x in jax.tree.leaves(outputs) if isinstance(x, jax.Array)])
-    if len(self._programs) > PROGRAMS_AHEAD:
-      # Outputs a later program took (donated) are gone; any other one ends with it.
-      jax.block_until_ready([x for x in self._programs.popleft() if not x.is_deleted()])

@@ -51,7 +51,7 @@ import numpy as np
 from jaxoffload import layered
 from jaxoffload._compat import PINNED_HOST
 from jaxoffload.host_offload import HostAdamW
-from jaxoffload.train.moved import Moves, Pacer, placed
+from jaxoffload.train.moved import Moves, placed
 from jaxoffload.train.pieces import PiecePrograms
 from jaxoffload.train.programs import StepPrograms
 
@@ -103,17 +103,17 @@ class OverlappedStep:
     holds this step's update of its leaves, to apply during the next step (``HostAdamW.hold``;
     ``HostAdamW.apply_held`` before reading them otherwise)."""
 
-    pacer = Pacer() if self.piece.moved else None
+    moves = Moves()
 
     def run(key, jitted, static, *args):
       compiled = self._compiled.get(key)
       outputs = compiled(*args) if compiled is not None else jitted(*static, *args)
-      if pacer is not None:  # Whether a copy has ended is then asked near the device's time.
-        pacer.dispatched(outputs)
+      if self.piece.moved:  # Whether a copy has ended is then asked near the device's time.
+        moves.dispatched(outputs)
       return outputs
 
     return self._chain(device_leaves, [] if host is None else host.params, opt_state, tokens,
-                       run, host)
+                       run, host, moves)
 
   @property
   def compiled(self) -> dict[str, jax.stages.Compiled]:
@@ -158,7 +158,7 @@ class OverlappedStep:
         fetched.append(nbytes(jax.tree.leaves(out)))
       return out
 
-    self._chain(device_leaves, host_params, opt_state, tokens, run, None)
+    self._chain(device_leaves, host_params, opt_state, tokens, run, None, Moves())
     # The host kernel's gradients stay on the device until their copy ends: a program's
     # and the one before's at most.
     sent = self._per_piece(
@@ -192,12 +192,13 @@ class OverlappedStep:
       hosts += host
     return pieces
 
-  def _chain(self, device_leaves, host_params, opt_state, tokens, run, host):
+  def _chain(self, device_leaves, host_params, opt_state, tokens, run, host, moves):
     """The step's programs in order, each through ``run(name, jitted, static args, *args)``;
-    with a ``host``, its held pieces applied as the first forward programs need them."""
+    with a ``host``, its held pieces applied as the first forward programs need them; the
+    moved activations through ``moves``."""
     n = self.piece.micro_batches
     step = run("count", self.piece.count, (), opt_state) if n > 1 else None
-    this = _Step(device_leaves, host_params, tokens, run, host, {}, {}, step, Moves())
+    this = _Step(device_leaves, host_params, tokens, run, host, {}, {}, step, moves)
     loss = None
     for micro in range(n - 1):  # Their gradients go into the sums.
       loss = self._add_micro_batch(this, micro, loss)
