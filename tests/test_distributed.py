@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -28,7 +29,9 @@ def free_port() -> int:
                     reason="two CPU processes of 4 devices against this process's 8")
 def test_two_processes_of_four_devices_train_like_one_of_eight(tmp_path):
   port = free_port()
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  # Faulthandler prints every thread's stack on SIGABRT: what a hung process waits on.
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+             PYTHONFAULTHANDLER="1")
   processes = [
       subprocess.Popen(
           # auto: each process measures its machine; process 0's choice holds for both.
@@ -39,7 +42,13 @@ def test_two_processes_of_four_devices_train_like_one_of_eight(tmp_path):
            f"checkpoint.dir={tmp_path}/checkpoints"],
           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
       for i in range(2)]
-  outputs = [p.communicate(timeout=600) for p in processes]
+  try:
+    outputs = [p.communicate(timeout=300) for p in processes]
+  except subprocess.TimeoutExpired:
+    for p in processes:
+      p.send_signal(signal.SIGABRT)
+    stacks = [p.communicate()[1][-8000:] for p in processes]
+    pytest.fail("the two processes did not end in 300 s; their stacks:\n" + "\n".join(stacks))
   for p, (_, err) in zip(processes, outputs):
     assert p.returncode == 0, err[-3000:]
   # Only process 0 reports (gloo writes its own lines on both).
