@@ -8,9 +8,8 @@ layer and keeps the activations its group's remat policy saves, but not the
 layer's weights or input, which its pullback would otherwise hold a copy of
 (a program's outputs are new buffers); ``backward`` runs the layer's backward
 pass in a program of its own from what was kept and those inputs again.
-Groups that keep their weights in host memory (``offload_weights``,
-``fetch_weights``) bring each layer in inside the model's scan, and are not
-run this way.
+A group whose weights live in host memory (``offload_weights``) brings a
+layer over for each program that reads it (``jaxoffload.train.pieces``).
 
 Example:
   >>> x, embed_pullback = jax.vjp(lambda p: embed(model, p, tokens), params["embed"])

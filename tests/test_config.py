@@ -55,10 +55,6 @@ def test_llama_1b_is_tinyllamas_shape():
     (["model.attention_implementation=flash"],
      r"model.attention_implementation must be one of \[None, 'xla', 'cudnn'\], got 'flash'"),
     (["model.cpu_offloading=True", "model.cpu_offloading_num_layers=1",
-      "model.cpu_offloading_double_buffering=True", "model.cpu_offloading_weights=True"],
-     r"^model.cpu_offloading_double_buffering=True runs the model a program per layer: "
-     r"model.cpu_offloading_weights=True brings weights in inside the model's scan: set one$"),
-    (["model.cpu_offloading=True", "model.cpu_offloading_num_layers=1",
       "model.cpu_offloading_double_buffering=True", "optimizer.optimizer_cpu_offload=True",
       "optimizer.optimizer_offload_fraction=0.5", "optimizer.overlap_cpu_optimizer_d2h_h2d=False"],
      r"a program per layer: optimizer.overlap_cpu_optimizer_d2h_h2d=False runs the host "
@@ -68,10 +64,6 @@ def test_llama_1b_is_tinyllamas_shape():
       "optimizer.optimizer_offload_fraction=0.5", "train.micro_batch_size=4"],
      r"a program per layer: with several micro-batches it sums every gradient on the device: "
      r"optimizer.accumulate_offloaded_grads_on must be 'device', got 'host'$"),
-    (["train.per_layer_step=True", "model.cpu_offloading=True",
-      "model.cpu_offloading_num_layers=1", "model.cpu_offloading_weights=True"],
-     r"^train.per_layer_step=True runs the model a program per layer: "
-     r"model.cpu_offloading_weights=True brings weights in inside the model's scan: set one$"),
     (["optimizer.use_torch_optimizer_for_cpu_offload=True"],
      r"jaxoffload has no torch optimizer; .* optimizer.optimizer_offload_update_on"),
     (["optimizer.use_distributed_optimizer=True", "mesh.data=2"],

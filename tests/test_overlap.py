@@ -203,8 +203,8 @@ def test_moved_activations_come_back_a_layer_ahead_or_are_read_where_they_are(mo
   mesh = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
 
   def trained(double_buffering):
-    setup = resolve(load_config(None, [*MOVED[:2], *mesh,
-                                       f"model.cpu_offloading_double_buffering={double_buffering}"]))
+    moved = f"model.cpu_offloading_double_buffering={double_buffering}"
+    setup = resolve(load_config(None, [*MOVED[:2], *mesh, moved]))
     assert setup.runs_per_layer == double_buffering
     trainer = Trainer(setup)
     for i in range(2):
@@ -226,3 +226,47 @@ def test_moved_activations_come_back_a_layer_ahead_or_are_read_where_they_are(mo
     # The same float32 steps either way.
     assert max_rel_diff(trained(True), one_program) <= 1e-6
     assert copies == 2 * expected[link_keeps_up]
+
+
+@SLOW
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (the CPU backend has them in CI)")
+@pytest.mark.parametrize("optimizer", [
+    pytest.param(["train.per_layer_step=True"], id="device-optimizer"),
+    pytest.param([*HOST_KERNEL[:1], "optimizer.optimizer_offload_fraction=1.0", *HOST_KERNEL[2:]],
+                 id="host-kernel")])
+def test_offloaded_weights_come_over_for_each_program_that_reads_them(optimizer):
+  weights = ["model.cpu_offloading=True", "model.cpu_offloading_num_layers=2",
+             "model.cpu_offloading_weights=True", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
+
+  def trained(overrides, fetches=None):
+    setup = resolve(load_config(None, [*weights, *overrides]))
+    trainer = Trainer(setup)
+    if fetches is not None:  # Each layer's fetch program run, by group and layer.
+      piece = trainer.overlapped.piece
+      jitted = piece.fetch
+
+      def fetch(name, host, index):
+        if index is not None:
+          fetches.append((name, int(index)))
+        return jitted(name, host, index)
+
+      piece.fetch = fetch
+    for i in range(2):
+      trainer.step(setup.global_batch(i))
+    return setup, trainer.checkpoint()["params"]
+
+  _, one_program = trained([])
+  fetches = []
+  setup, params = trained(optimizer, fetches)
+  assert setup.runs_per_layer
+  # The same float32 steps as the one program, whose scan fetches them.
+  assert max_rel_diff(params, one_program) <= 1e-6
+  if setup.host_kernel:
+    # Per step, the offloaded group's layers come over for the forward and again for the
+    # backward program; the other group's once, kept for both.
+    step = [("layers_0_2", 0), ("layers_0_2", 1), ("layers_2_4", 0), ("layers_2_4", 1),
+            ("layers_0_2", 1), ("layers_0_2", 0)]
+    assert fetches == 2 * step
+  else:  # The device optimizer's stacks stay in pinned_host; each program reads a layer.
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(params["layers_0_2"])} == {
+        "pinned_host"}

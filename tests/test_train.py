@@ -99,6 +99,15 @@ SLOW = pytest.mark.slow
                  id="activations-moved-accumulation"),
     pytest.param([*MOVED, *HOST_KERNEL, "mesh.fsdp=2", "mesh.tensor=2"], marks=SLOW,
                  id="activations-moved-host-kernel-sharded"),
+    # Weights in pinned_host a program per layer: the device optimizer's, and the host kernel's
+    # (every leaf its own) fetched for each program over two micro-batches.
+    pytest.param([*MOVED, "model.cpu_offloading_weights=True"], marks=SLOW,
+                 id="activations-moved-and-weights"),
+    pytest.param([*HOST_KERNEL[:1], "optimizer.optimizer_offload_fraction=1.0", *HOST_KERNEL[2:],
+                  "model.cpu_offloading=True", "model.cpu_offloading_num_layers=2",
+                  "model.cpu_offloading_weights=True", "train.micro_batch_size=4",
+                  "optimizer.accumulate_offloaded_grads_on=device"], marks=SLOW,
+                 id="weights-host-kernel-overlapped-accumulation"),
     pytest.param(["model.cpu_offloading=True", "model.cpu_offloading_num_layers=3",
                   "model.cpu_offloading_weights=True", "optimizer.optimizer_cpu_offload=True",
                   "optimizer.optimizer_offload_fraction=1.0",

@@ -50,12 +50,15 @@ class ModelConfig(LlamaConfig):
       cpu_offloading (0 without it).
     cpu_offloading_activations: those layers send their named activations to pinned_host.
     cpu_offloading_weights: those layers' weights live in pinned_host and come to the
-      device layer by layer.
+      device layer by layer, for the forward and again for the backward pass.
     cpu_offloading_double_buffering: the trainer, not XLA, moves the offloaded layers'
       activations: the model runs a program per layer, each layer's named activations
       go to pinned_host as its forward program ends and come back a layer ahead of its
-      backward program, while the device computes the neighbouring layer (not with
-      cpu_offloading_weights). False: XLA's remat policy moves them inside one program.
+      backward program, while the device computes the neighbouring layer; where their
+      copy has not ended by then, the backward program reads them where they are. The
+      device holds a layer's activations until its copy ends: on a link slower than the
+      forward pass, more than two layers' (the planner counts them). False: XLA's remat
+      policy moves them inside one program.
     cpu_offloading_policy: which named activations the offloaded layers send to
       pinned_host, the rest recomputed: a key of ``jaxoffload.remat.OFFLOAD_PRESETS``
       (all, qkv, attention, mlp, qkv_mlp, matmuls, residual). A jaxoffload extension;

@@ -71,6 +71,7 @@ class _Step(NamedTuple):
   run: Callable  # run(name, jitted, static args, *args): one program.
   host: Optional[HostAdamW]  # None while compiling.
   fetched: dict  # Per piece, its host kernel leaves on the device.
+  applied: set  # The pieces whose held update is applied.
   sums: dict  # Per piece, its gradients' sums over the micro-batches so far.
   step: Any  # The update's count, which salts the sums' rounding; None for one micro-batch.
   moves: Moves  # The moved layers' activations.
@@ -131,7 +132,7 @@ class OverlappedStep:
     the device leaves' gradients, which with several micro-batches the last micro-batch's
     backward programs make from the gradients' sums a piece at a time (the larger of the
     two, and one piece of both where they cross)."""
-    saved, fetched, heads, moved = [], [], [], []
+    saved, fetched, refetched, heads, moved = [], [], [], [], []
     nbytes = lambda xs: sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
                             for x in xs)
 
@@ -154,8 +155,9 @@ class OverlappedStep:
             nbytes(jax.tree.leaves(out[1])))
         if self.piece.layouts[static[0]].takes_input:
           saved.append(nbytes([args[-1]]))
-      if key.startswith("fetch"):
-        fetched.append(nbytes(jax.tree.leaves(out)))
+      if key.startswith("fetch"):  # A weight-offloaded layer's for one program only.
+        (refetched if static[0] in self.piece.weights_offloaded else fetched).append(
+            nbytes(jax.tree.leaves(out)))
       return out
 
     self._chain(device_leaves, host_params, opt_state, tokens, run, None, Moves())
@@ -163,7 +165,8 @@ class OverlappedStep:
     # and the one before's at most.
     sent = self._per_piece(
         lambda dtype, host: 0 if host is None else self.piece.wire[host].itemsize)
-    kept = sum(saved) + sum(fetched) + 2 * max(moved, default=0) + 2 * max(sent.values())
+    kept = (sum(saved) + sum(fetched) + 2 * max(refetched, default=0)
+            + 2 * max(moved, default=0) + 2 * max(sent.values()))
     grads = nbytes(jax.tree.leaves(device_leaves))
     if self.piece.micro_batches == 1:
       return dict(self._compiled), kept + grads
@@ -198,7 +201,7 @@ class OverlappedStep:
     moved activations through ``moves``."""
     n = self.piece.micro_batches
     step = run("count", self.piece.count, (), opt_state) if n > 1 else None
-    this = _Step(device_leaves, host_params, tokens, run, host, {}, {}, step, moves)
+    this = _Step(device_leaves, host_params, tokens, run, host, {}, set(), {}, step, moves)
     loss = None
     for micro in range(n - 1):  # Their gradients go into the sums.
       loss = self._add_micro_batch(this, micro, loss)
@@ -311,11 +314,15 @@ class OverlappedStep:
     """Piece ``(name, index)``'s device leaves and its host kernel leaves on the device, cut
     to the layer: brought over, once its held update is applied, by the first micro-batch
     that reads them, and let go (``release``) by the last micro-batch's last program that
-    reads them."""
+    reads them; a weight-offloaded group's, by each program."""
     key = (name, index)
+    release = release or name in self.piece.weights_offloaded
     if key not in this.fetched:
-      if this.host is not None:
+      # Once a step: a later fetch of a weight-offloaded layer comes after this step's update
+      # is held, which its backward programs make.
+      if this.host is not None and key not in this.applied:
         this.host.apply_held(self.piece.host_pieces(name, index))
+        this.applied.add(key)
       leaves = [this.host_params[i] for i in self.piece.host_ids.get(name, [])]
       this.fetched[key] = (this.run(f"fetch {name}", self.piece.fetch, (name,), leaves,
                                     None if index is None else np.int32(index))

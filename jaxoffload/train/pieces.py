@@ -47,6 +47,9 @@ class PiecePrograms:
                   and remat.Placement.OFFLOAD in remat.check_placements(g.placements).values()}
     self.forward_groups = {name: _kept_on_device(g) if name in self.moved else g
                            for name, g in self.layer_groups.items()}
+    # Groups whose weights live in pinned_host (``model.cpu_offloading_weights``): each program
+    # brings over the layer it reads, and lets it go as it ends.
+    self.weights_offloaded = {name for name, g in self.layer_groups.items() if g.offload_weights}
     self.head = layered.head_names(self.model)
     # Those the head program makes gradients for: a shared embedding's share goes to the
     # embedding's backward program.

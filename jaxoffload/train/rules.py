@@ -225,8 +225,6 @@ def per_layer_blocker(config: Config) -> Optional[str]:
   overlap, where it may update on the host kernel; and never with
   ``optimizer.overlap_cpu_optimizer_d2h_h2d=False``, whose update runs after one program."""
   o = config.optimizer
-  if config.model.cpu_offloading and config.model.cpu_offloading_weights:
-    return "model.cpu_offloading_weights=True brings weights in inside the model's scan: set one"
   kernel = o.optimizer_cpu_offload and o.optimizer_offload_update_on in ("host_kernel", "auto")
   if kernel and o.overlap_cpu_optimizer_d2h_h2d is False:
     return ("optimizer.overlap_cpu_optimizer_d2h_h2d=False runs the host kernel's update after "
@@ -236,17 +234,14 @@ def per_layer_blocker(config: Config) -> Optional[str]:
 
 def host_update_overlap_blocker(config: Config) -> Optional[str]:
   """Why the host kernel's update cannot overlap the next forward pass a program per layer
-  (``train.overlap``), or None where it can: it needs weights on the device and, with
-  several micro-batches, the gradients summed there."""
-  m, o, t = config.model, config.optimizer, config.train
+  (``train.overlap``), or None where it can: with several micro-batches it needs the
+  gradients summed on the device."""
+  o, t = config.optimizer, config.train
   if (t.micro_batch_size != t.global_batch_size
       and o.accumulate_offloaded_grads_on != "device"):
     return (f"with several micro-batches it sums every gradient on the device: "
             f"optimizer.accumulate_offloaded_grads_on must be 'device', got "
             f"{o.accumulate_offloaded_grads_on!r}")
-  if m.cpu_offloading and m.cpu_offloading_weights:
-    return ("it runs a program per layer; model.cpu_offloading_weights=True brings weights "
-            "in inside the model's scan: set one")
   return None
 
 

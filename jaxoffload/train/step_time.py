@@ -15,7 +15,9 @@ A step is predicted to take the sum of:
   layer's time plus what the device waits for copies back (``moved_copies``
   follows ``train.moved``'s copies through a micro-batch at this machine's link
   rates, a layer's forward pass taken as a third of its time, its backward pass
-  two thirds);
+  two thirds); with their weights in pinned_host, each program that reads a layer
+  brings it over in turn with its compute, and the device optimizer's update
+  brings its leaves of them over and back whole (``_weight_fetches_s``);
 - the device's AdamW on the leaves it keeps: their bytes over the device's
   copy bandwidth, measured alongside;
 - what optimizer offload adds: ``autoplace``'s prices from this machine's
@@ -30,12 +32,15 @@ the config's compute), only what offload adds is predicted.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 from typing import Optional
 
 import jax
 
 from jaxoffload import autoplace
 from jaxoffload.memory import offloaded_activation_bytes
+from jaxoffload.model import group_name
 from jaxoffload.train import rules
 from jaxoffload.train.config import Config
 from jaxoffload.train.resolve import Setup
@@ -165,6 +170,27 @@ def moved_copies(setup: Setup, calibration: Calibration, machine: autoplace.Mach
   return MovedCopies(now - turn - layers * backward, int(each * max(held - 2, 0)))
 
 
+def _weight_fetches_s(setup: Setup, machine: autoplace.Machine) -> float:
+  """What a step adds where the trainer runs weight-offloaded layers a program each: their
+  weights come over for the forward and the backward program of every micro-batch, in turn
+  with the compute, in the dtype they reach the device in; the device optimizer's update
+  brings its leaves of them over and back."""
+  groups = {group_name(g) for g in setup.groups if g.offload_weights}
+  offloaded = setup.offload.offloaded if setup.offload else itertools.repeat(False)
+  wire = iter(setup.weight_transfer_dtypes)
+  fetched = updated = 0
+  paths, _ = jax.tree_util.tree_flatten_with_path(setup.param_shapes)
+  for (path, x), sharding, off in zip(paths, jax.tree.leaves(setup.param_shardings), offloaded):
+    host = off and setup.host_kernel
+    dtype = next(wire) if host else x.dtype
+    if path[0].key in groups:
+      elements = math.prod(sharding.shard_shape(x.shape))
+      fetched += elements * dtype.itemsize
+      updated += 0 if host else elements * x.dtype.itemsize
+  return ((2 * setup.micro_batches * fetched + updated) / machine.host_to_device
+          + updated / machine.device_to_host)
+
+
 def predict_s(setup: Setup, calibration: Optional[Calibration], machine: autoplace.Machine
               ) -> float:
   """The predicted seconds of a step of ``setup`` (see the module's docstring); without a
@@ -180,9 +206,11 @@ def predict_s(setup: Setup, calibration: Optional[Calibration], machine: autopla
     compute = calibration.fixed_s + sum(n * layer_s(mode)
                                         for mode, n in layer_modes(config).items())
     copies = 0.0 if moved is None else moved_copies(setup, calibration, machine).wait_s
+    if moved is not None and config.model.cpu_offloading_weights:
+      total += _weight_fetches_s(setup, machine)
     on_device = sum(n for n, off in zip(elements, offloaded) if not (off and setup.host_kernel))
-    total = (setup.micro_batches * (scale * compute + copies)
-             + on_device * _ADAM_BYTES_PER_ELEMENT / calibration.device_bandwidth)
+    total += (setup.micro_batches * (scale * compute + copies)
+              + on_device * _ADAM_BYTES_PER_ELEMENT / calibration.device_bandwidth)
   if setup.offload is not None:
     place = config.optimizer.optimizer_offload_update_on
     total += price_updates(config, setup.offload, machine,
