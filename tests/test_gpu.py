@@ -181,6 +181,26 @@ def test_activations_moved_by_the_trainer_leave_device_memory(monkeypatch):
       in_use, offloaded)
 
 
+def test_weights_offloaded_a_program_per_layer_train_as_in_one_program():
+  # Each layer's programs read their layer of the group's stack in pinned_host (XLA copies
+  # the slice inside the program), as the one program's scan does.
+  from jaxoffload.train import Trainer, load_config, resolve
+  weights = TRAINER_SHAPE + [
+      "model.cpu_offloading=True", "model.cpu_offloading_num_layers=3",
+      "model.cpu_offloading_weights=True", "train.global_batch_size=4",
+      "train.micro_batch_size=4"]
+  losses = {}
+  for per_layer in (False, True):
+    setup = resolve(load_config(None, [*weights, f"train.per_layer_step={per_layer}"]))
+    assert setup.runs_per_layer == per_layer
+    trainer = Trainer(setup)
+    losses[per_layer] = [float(trainer.step(setup.global_batch(i))[0]) for i in range(3)]
+    stack = trainer.checkpoint()["params"]["layers_0_3"]
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(stack)} == {"pinned_host"}
+  # bfloat16 compute, fused differently in the two.
+  np.testing.assert_allclose(losses[True], losses[False], rtol=2e-3)
+
+
 def test_summing_on_the_host_keeps_the_host_kernels_weights_and_gradients_off_the_device():
   # With micro-batches summed on the host, the model fetches the host kernel's stacks a
   # layer at a time and their gradients leave as they are made: neither is whole on the
