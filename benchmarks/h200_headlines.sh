@@ -11,7 +11,8 @@
 #   1b-clipped  the same with clip_grad=1
 #   activations the 1.1B shape's activations: full recompute, and all but one layer sending
 #               `qkv` or `all` to the host (moved by XLA and by the trainer), and the weights
-#               of all but two layers kept on the host, against saving everything
+#               of all but two layers kept on the host (inside the one program, and a program
+#               per layer), against saving everything
 #   plan        the planner on the 8B shape (its time, and no XLA log line in its output), and
 #               the GPU tests
 #   import      the 8B Hugging Face import (run N's command), trained 3 steps and exported
@@ -59,6 +60,7 @@ case $part in
       --setting "all on 21 layers=$layers model.cpu_offloading_policy=all" \
       --setting "all on 21 layers moved=$layers $moved model.cpu_offloading_policy=all" \
       --setting "weights of 20 layers=model.cpu_offloading=True model.cpu_offloading_num_layers=20 model.cpu_offloading_weights=True" \
+      --setting "weights of 20 layers moved=model.cpu_offloading=True model.cpu_offloading_num_layers=20 model.cpu_offloading_weights=True $moved" \
       optimizer.clip_grad=0 > "$out/bench_activations.log" 2>&1
     echo "bench_activations: exit $?"
     ;;
