@@ -37,6 +37,10 @@ without the host kernel, an offloaded layer's forward program keeps its activati
 the device; they go to pinned_host as the program ends, while the next layer's runs, and
 come back while the layer above runs its backward program, unless the link is still
 behind (``train.moved``).
+
+A group whose weights live in pinned_host (``model.cpu_offloading_weights``) brings a layer
+over for each program that reads it, forward and backward: the device optimizer's leaves
+inside the program, the host kernel's by a fetch program, its held update applied once.
 """
 
 from __future__ import annotations
