@@ -17,6 +17,9 @@
 #               the GPU tests
 #   import      the 8B Hugging Face import (run N's command), trained 3 steps and exported
 #   13b         the planner on the 13B shape, then its pick trained for 4 steps, unclipped
+#   largest     70 layers of the 13B shape (22.5 B parameters) with bfloat16 masters rounded
+#               stochastically and 8-bit moments (about 4 bytes a parameter on the host),
+#               micro-batch 2, 3 steps unclipped
 #   8b          the 8B shape at 1.0 on the host kernel: selective recompute against activations
 #               moved by the trainer, exact and with bfloat16 moments
 #   8b-shipped  configs/llama_8b_offload.yaml as shipped (auto placement) against its best
@@ -74,6 +77,12 @@ case $part in
       --dir /tmp/llama8b --out "$out/hf_import" --config configs/llama_8b_offload.yaml \
       train.train_iters=3 data.dataset=synthetic optimizer.optimizer_offload_fraction=1.0
     ;;
+  largest)
+    timed train_22b 560 python3 -m jaxoffload.train --config configs/llama_13b_offload.yaml \
+      model.num_layers=70 model.params_dtype=bfloat16 train.micro_batch_size=2 \
+      optimizer.clip_grad=0 train.train_iters=3 logging.progress_bar=False \
+      logging.jsonl="$out/train_22b.jsonl"
+    ;;
   13b)
     timed plan_13b 200 python3 -m jaxoffload.plan --config configs/llama_13b_offload.yaml
     pick=$(grep '^  python -m jaxoffload.train ' "$out/plan_13b.log" | tail -1)
@@ -108,6 +117,6 @@ case $part in
       data.dataset=synthetic > "$out/bench_8b_shipped.log" 2>&1
     echo "bench_8b_shipped: exit $?"
     ;;
-  *) echo "unknown part $part: 1b, 1b-clipped, activations, plan, import, 13b, 8b or 8b-shipped" >&2
+  *) echo "unknown part $part: 1b, 1b-clipped, activations, plan, import, 13b, largest, 8b or 8b-shipped" >&2
      exit 2 ;;
 esac
