@@ -56,8 +56,8 @@ def test_a_moved_layer_costs_a_saved_layer_and_the_copies_back_it_waits_for():
   assert step_time.predict_s(setup, c, MACHINE) == pytest.approx(saved + adam)
   assert step_time.moved_copies(setup, c, MACHINE).held_bytes == 0
   # Copies out of 8 ms each end 9.3, 17.3 and 25.3 ms into the micro-batch; its backward
-  # pass reaches the moved layers at 18 ms (their forward passes' 4 ms, the last layer's
-  # and the rest's 14). Layer 2 reads its original; layers 1 and 0 come back, 4 ms each,
+  # pass reaches the moved layers at 18 ms (their forward passes' 4 ms, then the fourth
+  # layer's and the head's 14). Layer 2 reads its original; layers 1 and 0 come back, 4 ms each,
   # started as the layer above starts its 2.7 ms backward pass: 1.3 ms bare each.
   slow = link(0.008, 0.004)
   bare = 2 * (0.004 - 2 * 0.004 / 3)
