@@ -6,6 +6,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -42,8 +43,9 @@ def test_two_processes_of_four_devices_train_like_one_of_eight(tmp_path):
            f"checkpoint.dir={tmp_path}/checkpoints"],
           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
       for i in range(2)]
+  deadline = time.monotonic() + 300
   try:
-    outputs = [p.communicate(timeout=300) for p in processes]
+    outputs = [p.communicate(timeout=max(deadline - time.monotonic(), 1)) for p in processes]
   except subprocess.TimeoutExpired:
     for p in processes:
       p.send_signal(signal.SIGABRT)

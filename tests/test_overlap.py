@@ -210,11 +210,14 @@ def test_moves_keep_dispatch_within_two_programs_of_the_device(monkeypatch):
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (the CPU backend has them in CI)")
 def test_moved_activations_come_back_a_layer_ahead_or_are_read_where_they_are(monkeypatch):
   from jaxoffload.train import moved
-  original, copies = moved.placed, []
+  original, copies, outs = moved.placed, [], []
 
   def recorded(arrays, memory_kind):  # Per copy: from where, to where.
     copies.append(({x.sharding.memory_kind for x in arrays}, memory_kind))
-    return original(arrays, memory_kind)
+    placed = original(arrays, memory_kind)
+    if memory_kind == "pinned_host":
+      outs.append(placed)
+    return placed
 
   monkeypatch.setattr(moved, "placed", recorded)
   mesh = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
@@ -233,16 +236,20 @@ def test_moved_activations_come_back_a_layer_ahead_or_are_read_where_they_are(mo
   # Per step, layers 0 and 1 leave after their forward programs. Going backward, where the
   # link keeps up, each comes back while the layer above it is popped for its backward
   # program (layer 1 under layer 2, which is not moved, as layer 3); where it is behind,
-  # no copy has ended and each backward program reads its original.
-  expected = {True: [(device, "pinned_host"), (device, "pinned_host"),
-                     (host, "device"), (host, "device")],
-              False: [(device, "pinned_host"), (device, "pinned_host")]}
-  for link_keeps_up in (True, False):
-    monkeypatch.setattr(moved, "copy_ended", lambda copy, ended=link_keeps_up: ended)
+  # no copy has ended and each backward program reads its original; between, layer 0's
+  # copy has ended and layer 1's has not.
+  out = [(device, "pinned_host")] * 2
+  expected = {"keeps up": out + [(host, "device")] * 2, "behind": out,
+              "between": out + [(host, "device")]}
+  ended = {"keeps up": lambda copy: True, "behind": lambda copy: False,
+           "between": lambda copy: any(copy is c for c in outs[::2])}
+  for link, copy_ended in ended.items():
+    monkeypatch.setattr(moved, "copy_ended", copy_ended)
     copies.clear()
-    # The same float32 steps either way.
+    outs.clear()
+    # The same float32 steps however far behind.
     assert max_rel_diff(trained(True), one_program) <= 1e-6
-    assert copies == 2 * expected[link_keeps_up]
+    assert copies == 2 * expected[link], link
 
 
 @SLOW

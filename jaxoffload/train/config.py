@@ -128,9 +128,8 @@ class OptimizerConfig:
       more piece of device memory). With host_kernel, the model runs a program per layer
       and the host applies each layer's update just before the next step's forward pass
       reads it, while the device computes the layers before it: null (the default) does
-      so wherever it can (no weights offload; with several micro-batches, gradient sums
-      on the device: accumulate_offloaded_grads_on=device), true insists, false never
-      does.
+      so wherever it can (with several micro-batches, gradient sums on the device:
+      accumulate_offloaded_grads_on=device), true insists, false never does.
     speculate_cpu_optimizer_step: with that overlap and clipping, after a step whose
       gradients were not clipped, the host starts the next step's update during its
       backward pass, as if it would not clip either; a step that does clip has its

@@ -13,9 +13,9 @@ above's backward program.
 
 Each choice is made as Python dispatches programs; ``Moves.dispatched`` keeps
 Python within ``PROGRAMS_AHEAD`` programs of the device, so that a copy seen
-unfinished is unfinished at about that point of the device's step, and the
-copies back start no earlier than they are wanted (each takes device memory
-as it starts).
+unfinished is unfinished a few programs before the device needs it, and the
+copies back start a few programs, not a whole pass, before they are wanted
+(each takes device memory as it starts).
 
 Example:
   >>> moves = Moves()
@@ -103,8 +103,8 @@ class Moves:
       return
     self.release()
     if layer.original is not None:
-      # The last held: the backward pass takes the layers in the reverse of their order.
-      self._held.pop()
+      held = self._held.pop()
+      assert held is layer, "the backward pass takes moved layers in the reverse order"
       layer.copy = None
     else:
       layer.back = placed(layer.copy, DEVICE_KIND)

@@ -131,11 +131,12 @@ class OverlappedStep:
     """Compiles the step's programs for arguments like these (arrays or shapes), which later
     steps then run; returns them by name with the bytes, on one device, that the step
     holds beside the parameters and state: what a micro-batch's forward programs keep for
-    the backward ones (the layers' inputs and activations, the host kernel's weights), the
-    host kernel's gradients on their way to host memory (two pieces' at most), and
-    the device leaves' gradients, which with several micro-batches the last micro-batch's
-    backward programs make from the gradients' sums a piece at a time (the larger of the
-    two, and one piece of both where they cross)."""
+    the backward ones (the layers' inputs and activations, the host kernel's weights; a
+    weight-offloaded group's, a layer's at a time), the host kernel's gradients on their
+    way to host memory (two pieces' at most), and the device leaves' gradients, which
+    with several micro-batches the last micro-batch's backward programs make from the
+    gradients' sums a piece at a time (the larger of the two, and one piece of both where
+    they cross)."""
     saved, fetched, refetched, heads, moved = [], [], [], [], []
     nbytes = lambda xs: sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
                             for x in xs)

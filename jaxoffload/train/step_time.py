@@ -16,8 +16,9 @@ A step is predicted to take the sum of:
   follows ``train.moved``'s copies through a micro-batch at this machine's link
   rates, a layer's forward pass taken as a third of its time, its backward pass
   two thirds); with their weights in pinned_host, each program that reads a layer
-  brings it over in turn with its compute, and the device optimizer's update
-  brings its leaves of them over and back whole (``_weight_fetches_s``);
+  brings it over in turn with its compute;
+- with weights in pinned_host, the device optimizer's update bringing its leaves
+  of them over and back whole (``_offloaded_weights_s``);
 - the device's AdamW on the leaves it keeps: their bytes over the device's
   copy bandwidth, measured alongside;
 - what optimizer offload adds: ``autoplace``'s prices from this machine's
@@ -43,6 +44,7 @@ from jaxoffload.memory import offloaded_activation_bytes
 from jaxoffload.model import group_name
 from jaxoffload.train import rules
 from jaxoffload.train.config import Config
+from jaxoffload.train.moved import PROGRAMS_AHEAD
 from jaxoffload.train.resolve import Setup
 from jaxoffload.train.update_place import price_updates
 
@@ -123,8 +125,8 @@ class MovedCopies:
   Attributes:
     wait_s: the seconds the device waits for copies back.
     held_bytes: one device's bytes of originals still held as the backward pass reaches
-      the moved layers (their copies out not ended), beyond the two layers' that a
-      compiled step counts (``OverlappedStep.compile``).
+      the moved layers (their copies out not ended, or chosen to be read in place), beyond
+      the two layers' that a compiled step counts (``OverlappedStep.compile``).
   """
 
   wait_s: float
@@ -135,9 +137,10 @@ def moved_copies(setup: Setup, calibration: Calibration, machine: autoplace.Mach
                  ) -> Optional[MovedCopies]:
   """``train.moved``'s copies through one micro-batch of ``setup``, followed in time: the
   copies out start as each moved layer's forward pass ends, one after another on the link;
-  going backward, each layer's is chosen as the layer above's backward pass starts: its
-  original if its copy has not ended, else the copy back, one after another on the link,
-  which its backward pass waits for. None where the trainer moves nothing."""
+  going backward, each layer's is chosen as Python dispatches the layer above's backward
+  program, ``moved.PROGRAMS_AHEAD`` programs ahead of the device: its original if its
+  copy has not ended, else the copy back, which starts then, one after another on the
+  link, and which its backward pass waits for. None where the trainer moves nothing."""
   if _moved_mode(setup.config) is None:
     return None
   t, m = setup.config.train, setup.config.model
@@ -156,39 +159,46 @@ def moved_copies(setup: Setup, calibration: Calibration, machine: autoplace.Mach
     link = max((layer + 1) * forward, link) + each / machine.device_to_host
     ended.append(link)
   turn = layers * forward + between
-  held = sum(end > turn for end in ended)
-  # ``above``: when the layer above starts its backward pass (the first's, a saved layer's
-  # or the head's, taken as a saved layer's); ``link``: when the link back is free.
-  now, above, link = turn, turn - backward, 0.0
+  # When each layer's backward pass starts; those above the moved ones (the head's taken as
+  # a saved layer's) end at the turn.
+  starts = {layers + k: turn - (k + 1) * backward for k in range(PROGRAMS_AHEAD + 1)}
+  now, link, in_place = turn, 0.0, set()
   for layer in reversed(range(layers)):
-    ready = above  # The original, its copy out not ended.
-    if ended[layer] <= above:
-      link = max(above, link) + each / machine.host_to_device
+    chosen = starts[layer + 1 + PROGRAMS_AHEAD]
+    ready = chosen  # The original, its copy out not ended.
+    if ended[layer] > chosen:
+      in_place.add(layer)
+    else:
+      link = max(chosen, link) + each / machine.host_to_device
       ready = link
-    above = max(now, ready)
-    now = above + backward
+    starts[layer] = max(now, ready)
+    now = starts[layer] + backward
+  held = sum(end > turn or layer in in_place for layer, end in enumerate(ended))
   return MovedCopies(now - turn - layers * backward, int(each * max(held - 2, 0)))
 
 
-def _weight_fetches_s(setup: Setup, machine: autoplace.Machine) -> float:
-  """What a step adds where the trainer runs weight-offloaded layers a program each: their
-  weights come over for the forward and the backward program of every micro-batch, in turn
-  with the compute, in the dtype they reach the device in; the device optimizer's update
-  brings its leaves of them over and back."""
+def _offloaded_weights_s(setup: Setup, machine: autoplace.Machine, moved: bool) -> float:
+  """What weights in pinned_host add to a step beyond a calibrated layer's time: the device
+  optimizer's update brings its leaves of them over and back; and, where the trainer
+  moves the group's activations (its layers priced as saved ones), each forward and
+  backward program of every micro-batch brings its layer over, in turn with the compute,
+  in the dtype it reaches the device in (the host kernel's once a step already priced as
+  its update's upload)."""
   groups = {group_name(g) for g in setup.groups if g.offload_weights}
   offloaded = setup.offload.offloaded if setup.offload else itertools.repeat(False)
   wire = iter(setup.weight_transfer_dtypes)
-  fetched = updated = 0
+  fetched = updated = 0.0
+  fetches = 2 * setup.micro_batches
   paths, _ = jax.tree_util.tree_flatten_with_path(setup.param_shapes)
   for (path, x), sharding, off in zip(paths, jax.tree.leaves(setup.param_shardings), offloaded):
     host = off and setup.host_kernel
     dtype = next(wire) if host else x.dtype
     if path[0].key in groups:
       elements = math.prod(sharding.shard_shape(x.shape))
-      fetched += elements * dtype.itemsize
+      fetched += elements * dtype.itemsize * (fetches - 1 if host else fetches)
       updated += 0 if host else elements * x.dtype.itemsize
-  return ((2 * setup.micro_batches * fetched + updated) / machine.host_to_device
-          + updated / machine.device_to_host)
+  return ((fetched if moved else 0) + updated) / machine.host_to_device + (
+      updated / machine.device_to_host)
 
 
 def predict_s(setup: Setup, calibration: Optional[Calibration], machine: autoplace.Machine
@@ -206,8 +216,8 @@ def predict_s(setup: Setup, calibration: Optional[Calibration], machine: autopla
     compute = calibration.fixed_s + sum(n * layer_s(mode)
                                         for mode, n in layer_modes(config).items())
     copies = 0.0 if moved is None else moved_copies(setup, calibration, machine).wait_s
-    if moved is not None and config.model.cpu_offloading_weights:
-      total += _weight_fetches_s(setup, machine)
+    if any(g.offload_weights for g in setup.groups):
+      total += _offloaded_weights_s(setup, machine, moved is not None)
     on_device = sum(n for n, off in zip(elements, offloaded) if not (off and setup.host_kernel))
     total += (setup.micro_batches * (scale * compute + copies)
               + on_device * _ADAM_BYTES_PER_ELEMENT / calibration.device_bandwidth)
