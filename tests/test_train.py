@@ -99,10 +99,8 @@ SLOW = pytest.mark.slow
                  id="activations-moved-accumulation"),
     pytest.param([*MOVED, *HOST_KERNEL, "mesh.fsdp=2", "mesh.tensor=2"], marks=SLOW,
                  id="activations-moved-host-kernel-sharded"),
-    # Weights in pinned_host a program per layer: the device optimizer's, and the host kernel's
-    # (every leaf its own) fetched for each program over two micro-batches.
-    pytest.param([*MOVED, "model.cpu_offloading_weights=True"], marks=SLOW,
-                 id="activations-moved-and-weights"),
+    # Weights in pinned_host a program per layer, the host kernel's (every leaf its own)
+    # fetched for each program over two micro-batches, its update applied once.
     pytest.param([*HOST_KERNEL[:1], "optimizer.optimizer_offload_fraction=1.0", *HOST_KERNEL[2:],
                   "model.cpu_offloading=True", "model.cpu_offloading_num_layers=2",
                   "model.cpu_offloading_weights=True", "train.micro_batch_size=4",
