@@ -47,6 +47,12 @@ def placed(arrays: list, memory_kind: str) -> list:
           for x in arrays]
 
 
+def wait_for(arrays: list) -> None:
+  """Waits until ``arrays`` are written; those a later program took (donated) are gone, and
+  any other one of the same program ends with them."""
+  jax.block_until_ready([x for x in arrays if not x.is_deleted()])
+
+
 def copy_ended(copy: list) -> bool:
   """Whether every array of ``copy`` is written (shapes, while compiling, are)."""
   return all(x.is_ready() for x in copy if isinstance(x, jax.Array))
@@ -81,8 +87,7 @@ class Moves:
     ``PROGRAMS_AHEAD`` before it, then lets go of the originals whose copies have ended."""
     self._programs.append([x for x in jax.tree.leaves(outputs) if isinstance(x, jax.Array)])
     if len(self._programs) > PROGRAMS_AHEAD:
-      # Outputs a later program took (donated) are gone; any other one ends with it.
-      jax.block_until_ready([x for x in self._programs.popleft() if not x.is_deleted()])
+      wait_for(self._programs.popleft())
     self.release()
 
   def leave(self, kept: list) -> MovedLayer:
