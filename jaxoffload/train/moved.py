@@ -106,8 +106,7 @@ class Moves:
     original while it is held, else the copy, which starts back now."""
     if layer.back is not None or layer.copy is None:  # Chosen already.
       return
-    self.release()
-    if layer.original is not None:
+    if layer.original is not None:  # Released up to the last program (``dispatched``).
       held = self._held.pop()
       assert held is layer, "the backward pass takes moved layers in the reverse order"
       layer.copy = None

@@ -75,7 +75,6 @@ class _Step(NamedTuple):
   run: Callable  # run(name, jitted, static args, *args): one program.
   host: Optional[HostAdamW]  # None while compiling.
   fetched: dict  # Per piece, its host kernel leaves on the device.
-  applied: set  # The pieces whose held update is applied.
   sums: dict  # Per piece, its gradients' sums over the micro-batches so far.
   step: Any  # The update's count, which salts the sums' rounding; None for one micro-batch.
   moves: Moves  # The moved layers' activations.
@@ -206,7 +205,7 @@ class OverlappedStep:
     moved activations through ``moves``."""
     n = self.piece.micro_batches
     step = run("count", self.piece.count, (), opt_state) if n > 1 else None
-    this = _Step(device_leaves, host_params, tokens, run, host, {}, set(), {}, step, moves)
+    this = _Step(device_leaves, host_params, tokens, run, host, {}, {}, step, moves)
     loss = None
     for micro in range(n - 1):  # Their gradients go into the sums.
       loss = self._add_micro_batch(this, micro, loss)
@@ -291,9 +290,9 @@ class OverlappedStep:
         # rather than fill host memory with a whole step's.
         this.host.wait_for_room(GRADIENT_BYTES_AHEAD)
       dx, grads = this.run(f"backward {name} {stage}", self.piece.backward[adds], (name, last),
-                           *self._weights(this, name, index, release=last), np.int32(index),
-                           x, kept, dx, sums.pop((name, index), None), this.step,
-                           np.int32(micro))
+                           *self._weights(this, name, index, release=last, forward=False),
+                           np.int32(index), x, kept, dx, sums.pop((name, index), None),
+                           this.step, np.int32(micro))
       self._file(grads, index, sums, give)
     self._file(this.run(f"embed backward {stage}", self.piece.embed_backward[adds], (last,),
                         embed_pullback, dx, shared_embed,
@@ -315,7 +314,8 @@ class OverlappedStep:
       return "only"
     return {0: "first", self.piece.micro_batches - 1: "last"}.get(micro, "middle")
 
-  def _weights(self, this: _Step, name: str, index: Any, release: bool) -> tuple[list, list]:
+  def _weights(self, this: _Step, name: str, index: Any, release: bool, forward: bool = True
+               ) -> tuple[list, list]:
     """Piece ``(name, index)``'s device leaves and its host kernel leaves on the device, cut
     to the layer: brought over, once its held update is applied, by the first micro-batch
     that reads them, and let go (``release``) by the last micro-batch's last program that
@@ -323,11 +323,10 @@ class OverlappedStep:
     key = (name, index)
     release = release or name in self.piece.weights_offloaded
     if key not in this.fetched:
-      # Once a step: a later fetch of a weight-offloaded layer comes after this step's update
-      # is held, which its backward programs make.
-      if this.host is not None and key not in this.applied:
+      # Only a forward program applies: by a backward program the update held is this
+      # step's, which the backward programs make.
+      if this.host is not None and forward:
         this.host.apply_held(self.piece.host_pieces(name, index))
-        this.applied.add(key)
       leaves = [this.host_params[i] for i in self.piece.host_ids.get(name, [])]
       this.fetched[key] = (this.run(f"fetch {name}", self.piece.fetch, (name,), leaves,
                                     None if index is None else np.int32(index))
