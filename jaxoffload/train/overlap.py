@@ -46,7 +46,6 @@ inside the program, the host kernel's by a fetch program, its held update applie
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
@@ -55,6 +54,7 @@ import numpy as np
 from jaxoffload import layered
 from jaxoffload._compat import PINNED_HOST
 from jaxoffload.host_offload import HostAdamW
+from jaxoffload.train.held_bytes import HeldBytes
 from jaxoffload.train.moved import Moves, placed
 from jaxoffload.train.pieces import PiecePrograms
 from jaxoffload.train.programs import StepPrograms
@@ -129,16 +129,8 @@ class OverlappedStep:
               ) -> tuple[dict[str, jax.stages.Compiled], int]:
     """Compiles the step's programs for arguments like these (arrays or shapes), which later
     steps then run; returns them by name with the bytes, on one device, that the step
-    holds beside the parameters and state: what a micro-batch's forward programs keep for
-    the backward ones (the layers' inputs and activations, the host kernel's weights; a
-    weight-offloaded group's, a layer's at a time), the host kernel's gradients on their
-    way to host memory (two pieces' at most), and the device leaves' gradients, which
-    with several micro-batches the last micro-batch's backward programs make from the
-    gradients' sums a piece at a time (the larger of the two, and one piece of both where
-    they cross)."""
-    saved, fetched, refetched, heads, moved = [], [], [], [], []
-    nbytes = lambda xs: sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-                            for x in xs)
+    holds beside the parameters and state (``HeldBytes.total``)."""
+    held = HeldBytes(self.piece)
 
     def run(key, jitted, static, *args):
       if key not in self._compiled:
@@ -147,57 +139,11 @@ class OverlappedStep:
       out = jax.tree.map(lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                                   sharding=sharding),
                          shapes, self._compiled[key].output_shardings)
-      if key.startswith("head"):
-        heads.append(key)
-      if not heads and key == "embed forward":  # One micro-batch's: the first.
-        saved.append(nbytes(jax.tree.leaves(out[1])))
-      if not heads and key.startswith("forward"):
-        # What the step moves to host memory is on the device for two layers where the link
-        # keeps up (more where it is behind, ``train.moved``): the one leaving, and the one
-        # coming back ahead of its backward program.
-        (moved if static[0] in self.piece.moved else saved).append(
-            nbytes(jax.tree.leaves(out[1])))
-        if self.piece.layouts[static[0]].takes_input:
-          saved.append(nbytes([args[-1]]))
-      if key.startswith("fetch"):  # A weight-offloaded layer's for one program only.
-        (refetched if static[0] in self.piece.weights_offloaded else fetched).append(
-            nbytes(jax.tree.leaves(out)))
+      held.record(key, static, args, out)
       return out
 
     self._chain(device_leaves, host_params, opt_state, tokens, run, None, Moves())
-    # The host kernel's gradients stay on the device until their copy ends: a program's
-    # and the one before's at most.
-    sent = self._per_piece(
-        lambda dtype, host: 0 if host is None else self.piece.wire[host].itemsize)
-    kept = (sum(saved) + sum(fetched) + 2 * max(refetched, default=0)
-            + 2 * max(moved, default=0) + 2 * max(sent.values()))
-    grads = nbytes(jax.tree.leaves(device_leaves))
-    if self.piece.micro_batches == 1:
-      return dict(self._compiled), kept + grads
-    # Per piece, its sums of every leaf's gradients and its device leaves' gradients.
-    accumulated = self.setup.grad_accum_dtype.itemsize
-    sums = accumulated * sum(math.prod(sharding.shard_shape(x.shape)) for x, sharding in zip(
-        jax.tree.leaves(self.setup.param_shapes), jax.tree.leaves(self.setup.param_shardings)))
-    pieces = self._per_piece(
-        lambda dtype, host: accumulated + (0 if host is not None else dtype.itemsize))
-    return dict(self._compiled), kept + max(sums, grads) + max(pieces.values())
-
-  def _per_piece(self, element_bytes: Callable[[np.dtype, Optional[int]], int]
-                 ) -> dict[str, int]:
-    """Per piece of the model (a layer of a group's leaves, or a whole parameter), by name:
-    the bytes on one device of its leaves' elements at ``element_bytes(the leaf's dtype, its
-    position among the host kernel's leaves, or None)`` each."""
-    pieces, hosts = {}, 0
-    paths, _ = jax.tree_util.tree_flatten_with_path(self.setup.param_shapes)
-    for (path, x), sharding, host in zip(paths, jax.tree.leaves(self.setup.param_shardings),
-                                         self.piece.programs.is_host):
-      name = path[0].key
-      elements = math.prod(sharding.shard_shape(x.shape)) // (
-          x.shape[0] if name in self.piece.layer_groups else 1)
-      pieces[name] = pieces.get(name, 0) + elements * element_bytes(
-          x.dtype, hosts if host else None)
-      hosts += host
-    return pieces
+    return dict(self._compiled), held.total(device_leaves)
 
   def _chain(self, device_leaves, host_params, opt_state, tokens, run, host, moves):
     """The step's programs in order, each through ``run(name, jitted, static args, *args)``;
