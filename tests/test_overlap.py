@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxoffload.train import Trainer, load_config, resolve, train, weights
+from jaxoffload.train import Trainer, load_config, overlap, resolve, train, weights
 from tests.helpers import HOST_KERNEL, QUIET, max_rel_diff
 
 STEPS = 5
@@ -254,7 +254,7 @@ def test_moved_activations_come_back_a_layer_ahead_or_are_read_where_they_are(mo
 
 @SLOW
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (the CPU backend has them in CI)")
-def test_offloaded_weights_come_over_for_each_program_that_reads_them():
+def test_offloaded_weights_come_over_for_each_program_that_reads_them(monkeypatch):
   weights = ["model.cpu_offloading=True", "model.cpu_offloading_num_layers=2",
              "model.cpu_offloading_weights=True", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
 
@@ -276,12 +276,24 @@ def test_offloaded_weights_come_over_for_each_program_that_reads_them():
     return setup, trainer.checkpoint()["params"]
 
   _, one_program = trained([])  # Whose scan fetches them.
-  # The device optimizer's stacks stay in pinned_host, each program reading a layer.
+  # The device optimizer's stacks stay in pinned_host, each program reading a layer sent to
+  # the device a program ahead: up the group going forward, down it going backward.
+  sent, to_device = [], overlap.layer_to_device
+
+  def recorded(stack, index):
+    layer = to_device(stack, index)
+    sent.append((index, stack.sharding.memory_kind, layer.sharding.memory_kind))
+    return layer
+
+  monkeypatch.setattr(overlap, "layer_to_device", recorded)
   setup, params = trained(["train.per_layer_step=True"])
   assert setup.runs_per_layer
   assert max_rel_diff(params, one_program) <= 1e-6  # The same float32 steps.
   assert {x.sharding.memory_kind for x in jax.tree.leaves(params["layers_0_2"])} == {
       "pinned_host"}
+  leaves = len(jax.tree.leaves(params["layers_0_2"]))
+  assert sent == 2 * [(i, "pinned_host", "device") for i in (0, 1, 1, 0) for _ in range(leaves)]
+  monkeypatch.undo()
   # The host kernel's: per step, the offloaded group's layers come over for the forward
   # and again for the backward program; the other group's once, kept for both.
   fetches = []

@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional
 import jax
 import numpy as np
 
+from jaxoffload.train.moved import PROGRAMS_AHEAD
 from jaxoffload.train.pieces import PiecePrograms
 
 
@@ -61,7 +62,7 @@ class HeldBytes:
   def total(self, device_leaves: list) -> int:
     """The bytes the step holds beside the parameters and state: what a micro-batch's forward
     programs keep for the backward ones (the layers' inputs and activations, the host
-    kernel's weights; a weight-offloaded group's, a layer's at a time), the host kernel's
+    kernel's weights; a weight-offloaded group's, a few layers' at a time), the host kernel's
     gradients on their way to host memory (two pieces' at most), and the device leaves'
     gradients, which with several micro-batches the last micro-batch's backward programs
     make from the gradients' sums a piece at a time (the larger of the two, and one piece
@@ -70,8 +71,14 @@ class HeldBytes:
     # The host kernel's gradients stay on the device until their copy ends: a program's
     # and the one before's at most.
     sent = self._per_piece(lambda dtype, host: 0 if host is None else piece.wire[host].itemsize)
+    # A weight-offloaded layer's device leaves are sent as Python dispatches the program
+    # before the one that reads them, up to PROGRAMS_AHEAD programs ahead of the device:
+    # those of the program running, of those queued, and of the one sent.
+    layers = self._per_piece(lambda dtype, host: dtype.itemsize if host is None else 0)
+    sent_ahead = max((layers[name] for name in piece.weights_offloaded), default=0)
     kept = (sum(self.saved) + sum(self.fetched) + 2 * max(self.refetched, default=0)
-            + 2 * max(self.moved, default=0) + 2 * max(sent.values()))
+            + (PROGRAMS_AHEAD + 2) * sent_ahead + 2 * max(self.moved, default=0)
+            + 2 * max(sent.values()))
     grads = _nbytes(jax.tree.leaves(device_leaves))
     if piece.micro_batches == 1:
       return kept + grads

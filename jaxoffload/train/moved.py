@@ -1,4 +1,5 @@
-"""Activations the trainer moves to pinned_host between a layer's programs (``train.overlap``).
+"""What the trainer moves between a step's programs (``train.overlap``): activations to
+pinned_host and back, and the layers of weights kept in pinned_host to the device.
 
 A moved layer's forward program keeps its activations on the device; a copy
 to pinned_host starts as the program ends, beside the next layer's program.
@@ -23,6 +24,10 @@ Example:
   >>> layer = moves.leave(kept)         # As its forward program is dispatched.
   >>> moves.ahead(layer)                # As the layer above's backward program is.
   >>> kept = moves.on_device(layer)     # For its own.
+
+A weight-offloaded group's layer comes to the device by the runtime's own transfer
+(``layer_to_device``), issued a program ahead of the program that reads it: a program that
+cut it out of the stack would run in turn with the compute, the transfer runs beside it.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from typing import Any
 import jax
 
 from jaxoffload._compat import DEVICE_KIND, PINNED_HOST
+from jaxoffload.host_adam import writable_view
 
 # How many programs the dispatching thread may run ahead of the device while activations
 # move: two keep one queued behind the one running.
@@ -45,6 +51,27 @@ def placed(arrays: list, memory_kind: str) -> list:
   return [jax.device_put(x, x.sharding.with_memory_kind(memory_kind))
           if isinstance(x, jax.Array) and x.sharding.memory_kind != memory_kind else x
           for x in arrays]
+
+
+def layer_sharding(stack_sharding: jax.sharding.NamedSharding) -> jax.sharding.NamedSharding:
+  """Where one layer of a stack placed by ``stack_sharding`` goes on the device: as the stack,
+  less its (unsharded) layer axis."""
+  return jax.sharding.NamedSharding(stack_sharding.mesh,
+                                    jax.sharding.PartitionSpec(*stack_sharding.spec[1:]),
+                                    memory_kind=DEVICE_KIND)
+
+
+def layer_to_device(stack: Any, index: int) -> Any:
+  """Layer ``index`` of ``stack`` (a group's stacked weights in pinned_host) on the device:
+  each shard's layer sent from a numpy view of its pinned bytes, a transfer that runs beside
+  the device's programs; the shape, while compiling. Its layer axis is never sharded
+  (``sharding.LOGICAL_RULES``)."""
+  sharding = layer_sharding(stack.sharding)
+  if not isinstance(stack, jax.Array):
+    return jax.ShapeDtypeStruct(stack.shape[1:], stack.dtype, sharding=sharding)
+  layers = [jax.device_put(writable_view(shard.data)[index], shard.device)
+            for shard in stack.addressable_shards]
+  return jax.make_array_from_single_device_arrays(stack.shape[1:], sharding, layers)
 
 
 def wait_for(arrays: list) -> None:

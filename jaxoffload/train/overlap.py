@@ -40,7 +40,8 @@ behind (``train.moved``).
 
 A group whose weights live in pinned_host (``model.cpu_offloading_weights``) brings a layer
 over for each program that reads it, forward and backward: the device optimizer's leaves
-inside the program, the host kernel's by a fetch program, its held update applied once.
+by the runtime's transfer, sent a program ahead (``moved.layer_to_device``), the host
+kernel's by a fetch program, its held update applied once.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ from jaxoffload import layered
 from jaxoffload._compat import PINNED_HOST
 from jaxoffload.host_offload import HostAdamW
 from jaxoffload.train.held_bytes import HeldBytes
-from jaxoffload.train.moved import Moves, placed
+from jaxoffload.train.moved import Moves, layer_to_device, placed
 from jaxoffload.train.pieces import PiecePrograms
 from jaxoffload.train.programs import StepPrograms
 
@@ -78,6 +79,7 @@ class _Step(NamedTuple):
   sums: dict  # Per piece, its gradients' sums over the micro-batches so far.
   step: Any  # The update's count, which salts the sums' rounding; None for one micro-batch.
   moves: Moves  # The moved layers' activations.
+  ahead: dict  # Per layer of a weight-offloaded group, its device leaves on their way over.
 
 
 class OverlappedStep:
@@ -112,7 +114,9 @@ class OverlappedStep:
     def run(key, jitted, static, *args):
       compiled = self._compiled.get(key)
       outputs = compiled(*args) if compiled is not None else jitted(*static, *args)
-      if self.piece.moved:  # Whether a copy has ended is then asked near the device's time.
+      # Whether a copy has ended is then asked near the device's time, and a layer sent ahead
+      # takes device memory a few programs, not a pass, before it is read.
+      if self.piece.moved or self.piece.weights_offloaded:
         moves.dispatched(outputs)
       return outputs
 
@@ -151,7 +155,7 @@ class OverlappedStep:
     moved activations through ``moves``."""
     n = self.piece.micro_batches
     step = run("count", self.piece.count, (), opt_state) if n > 1 else None
-    this = _Step(device_leaves, host_params, tokens, run, host, {}, {}, step, moves)
+    this = _Step(device_leaves, host_params, tokens, run, host, {}, {}, step, moves, {})
     loss = None
     for micro in range(n - 1):  # Their gradients go into the sums.
       loss = self._add_micro_batch(this, micro, loss)
@@ -265,9 +269,9 @@ class OverlappedStep:
     """Piece ``(name, index)``'s device leaves and its host kernel leaves on the device, cut
     to the layer: brought over, once its held update is applied, by the first micro-batch
     that reads them, and let go (``release``) by the last micro-batch's last program that
-    reads them; a weight-offloaded group's, by each program."""
+    reads them; a weight-offloaded group's, by each program (``_offloaded_layer``)."""
     key = (name, index)
-    release = release or name in self.piece.weights_offloaded
+    offloaded = name in self.piece.weights_offloaded
     if key not in this.fetched:
       # Only a forward program applies: by a backward program the update held is this
       # step's, which the backward programs make.
@@ -277,8 +281,23 @@ class OverlappedStep:
       this.fetched[key] = (this.run(f"fetch {name}", self.piece.fetch, (name,), leaves,
                                     None if index is None else np.int32(index))
                            if leaves else [])
-    fetched = this.fetched.pop(key) if release else this.fetched[key]
+    fetched = this.fetched.pop(key) if release or offloaded else this.fetched[key]
+    if offloaded:
+      return self._offloaded_layer(this, name, index, forward), fetched
     return [this.device_leaves[i] for i in self.piece.device_ids.get(name, [])], fetched
+
+  def _offloaded_layer(self, this: _Step, name: str, index: int, forward: bool) -> list:
+    """Layer ``index`` of weight-offloaded group ``name``'s device leaves on the device, and
+    the next program's layer (the one above going forward, below going backward) sent
+    after it, to come over while this one's program runs."""
+    ids = self.piece.device_ids.get(name, [])
+    send = lambda i: [layer_to_device(this.device_leaves[leaf], i) for leaf in ids]
+    layer = this.ahead.pop((name, index), None) or send(index)
+    group = self.piece.layer_groups[name]
+    following = index + 1 if forward else index - 1
+    if ids and 0 <= following < group.stop - group.start:
+      this.ahead[(name, following)] = send(following)
+    return layer
 
   @staticmethod
   def _take(sums: dict, names: tuple) -> Any:

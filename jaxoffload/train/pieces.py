@@ -48,7 +48,7 @@ class PiecePrograms:
     self.forward_groups = {name: _kept_on_device(g) if name in self.moved else g
                            for name, g in self.layer_groups.items()}
     # Groups whose weights live in pinned_host (``model.cpu_offloading_weights``): each program
-    # brings over the layer it reads, and lets it go as it ends.
+    # reads a layer the step brings over for it (``train.overlap``), and lets it go as it ends.
     self.weights_offloaded = {name for name, g in self.layer_groups.items() if g.offload_weights}
     self.head = layered.head_names(self.model)
     # Those the head program makes gradients for: a shared embedding's share goes to the
@@ -102,10 +102,11 @@ class PiecePrograms:
 
   def _params(self, name: str, device: list, fetched: list, index: Any = None) -> Any:
     """Parameter ``name``'s tree on the device from its device leaves and its fetched host
-    kernel leaves (``_fetch_piece``), layer ``index`` of a group's."""
+    kernel leaves (``_fetch_piece``), layer ``index`` of a group's (a weight-offloaded
+    group's device leaves come as the layer already)."""
     device, fetched = iter(device), iter(fetched)
     leaves = [next(fetched) if h else next(device) for h in self.is_host[name]]
-    if index is not None:
+    if index is not None and name not in self.weights_offloaded:
       leaves = [x if h else layered.layer_slice(x, index)
                 for x, h in zip(leaves, self.is_host[name])]
     return jax.tree.structure(self.setup.param_shapes[name]).unflatten(

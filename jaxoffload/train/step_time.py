@@ -15,8 +15,8 @@ A step is predicted to take the sum of:
   layer's time plus what the device waits for copies back (``moved_copies``
   follows ``train.moved``'s copies through a micro-batch at this machine's link
   rates, a layer's forward pass taken as a third of its time, its backward pass
-  two thirds); with their weights in pinned_host, each program that reads a layer
-  brings it over in turn with its compute;
+  two thirds); with their weights in pinned_host, each program waits for its layer,
+  sent on the same link a program ahead (the host kernel's: fetched in turn);
 - with weights in pinned_host, the device optimizer's update bringing its leaves
   of them over and back whole (``_offloaded_weights_s``);
 - the device's AdamW on the leaves it keeps: their bytes over the device's
@@ -123,10 +123,11 @@ class MovedCopies:
   """What moving the offloaded layers' activations costs a micro-batch (``train.moved``).
 
   Attributes:
-    wait_s: the seconds the device waits for copies back.
+    wait_s: the seconds the moved layers' programs add to their compute: the device waiting
+      for copies back and for weights sent ahead, and the host kernel's weights fetched.
     held_bytes: one device's bytes of originals still held as the backward pass reaches
       the moved layers (their copies out not ended, or chosen to be read in place), beyond
-      the two layers' that a compiled step counts (``OverlappedStep.compile``).
+      the two layers' that a compiled step counts (``train.held_bytes``).
   """
 
   wait_s: float
@@ -140,65 +141,83 @@ def moved_copies(setup: Setup, calibration: Calibration, machine: autoplace.Mach
   going backward, each layer's is chosen as Python dispatches the layer above's backward
   program, ``moved.PROGRAMS_AHEAD`` programs ahead of the device: its original if its
   copy has not ended, else the copy back, which starts then, one after another on the
-  link, and which its backward pass waits for. None where the trainer moves nothing."""
+  link, and which its backward pass waits for. With the layers' weights in pinned_host,
+  each program waits for its layer's device leaves, sent on the link to the device as
+  Python dispatches the program before, and runs the host kernel's fetch program first.
+  None where the trainer moves nothing."""
   if _moved_mode(setup.config) is None:
     return None
   t, m = setup.config.train, setup.config.model
   layers = m.cpu_offloading_num_layers
   each = offloaded_activation_bytes(setup.model, setup.groups, t.micro_batch_size,
                                     m.seq_length) / layers / setup.mesh.size
+  sent, fetched = (n / machine.host_to_device for n in _offloaded_layer_bytes(setup))
   scale = calibration.scale(t.micro_batch_size)
   layer_s = scale * calibration.layer_s["save"]
-  forward, backward = layer_s / 3, 2 * layer_s / 3
+  forward, backward = layer_s / 3 + fetched, 2 * layer_s / 3 + fetched
+  # Forward: layer i's weights start over as program i - 1 - PROGRAMS_AHEAD starts.
+  starts, ended, up, down, now = [], [], 0.0, 0.0, 0.0
+  for layer in range(layers):
+    up = max(starts[layer - 1 - PROGRAMS_AHEAD] if layer > PROGRAMS_AHEAD else 0.0, up) + sent
+    starts.append(max(now, up))
+    now = starts[-1] + forward
+    down = max(now, down) + each / machine.device_to_host
+    ended.append(down)
   # The rest of the model's compute runs between the moved layers' forward and backward passes.
-  between = scale * calibration.fixed_s + sum(
+  turn = now + scale * calibration.fixed_s + sum(
       n * scale * calibration.layer_s[mode] for mode, n in layer_modes(setup.config).items()
       if mode != _moved_mode(setup.config))
-  ended, link = [], 0.0
-  for layer in range(layers):
-    link = max((layer + 1) * forward, link) + each / machine.device_to_host
-    ended.append(link)
-  turn = layers * forward + between
   # When each layer's backward pass starts; those above the moved ones (the head's taken as
   # a saved layer's) end at the turn.
-  starts = {layers + k: turn - (k + 1) * backward for k in range(PROGRAMS_AHEAD + 1)}
-  now, link, in_place = turn, 0.0, set()
+  back = {layers + k: turn - (k + 1) * backward for k in range(PROGRAMS_AHEAD + 1)}
+  now, in_place = turn, set()
   for layer in reversed(range(layers)):
-    chosen = starts[layer + 1 + PROGRAMS_AHEAD]
-    ready = chosen  # The original, its copy out not ended.
-    if ended[layer] > chosen:
+    chosen = ready = back[layer + 1 + PROGRAMS_AHEAD]
+    if ended[layer] > chosen:  # Its original, its copy out not ended.
       in_place.add(layer)
     else:
-      link = max(chosen, link) + each / machine.host_to_device
-      ready = link
-    starts[layer] = max(now, ready)
-    now = starts[layer] + backward
+      up = ready = max(chosen, up) + each / machine.host_to_device
+    if sent:  # Its weights, after its activations.
+      up = ready = max(chosen, up) + sent
+    back[layer] = max(now, ready)
+    now = back[layer] + backward
   held = sum(end > turn or layer in in_place for layer, end in enumerate(ended))
-  return MovedCopies(now - turn - layers * backward, int(each * max(held - 2, 0)))
+  waited = now - turn + starts[-1] + forward - layers * layer_s
+  return MovedCopies(waited, int(each * max(held - 2, 0)))
 
 
-def _offloaded_weights_s(setup: Setup, machine: autoplace.Machine, moved: bool) -> float:
-  """What weights in pinned_host add to a step beyond a calibrated layer's time: the device
-  optimizer's update brings its leaves of them over and back; and, where the trainer
-  moves the group's activations (its layers priced as saved ones), each forward and
-  backward program of every micro-batch brings its layer over, in turn with the compute,
-  in the dtype it reaches the device in (the host kernel's once a step already priced as
-  its update's upload)."""
-  groups = {group_name(g) for g in setup.groups if g.offload_weights}
+def _offloaded_layer_bytes(setup: Setup) -> tuple[int, int]:
+  """One device's bytes of a layer of the weight-offloaded group: its device optimizer
+  leaves (sent by the runtime's transfer) and its host kernel leaves (fetched by a
+  program, in the dtype they reach the device in)."""
+  groups = {group_name(g): g.stop - g.start for g in setup.groups if g.offload_weights}
   offloaded = setup.offload.offloaded if setup.offload else itertools.repeat(False)
   wire = iter(setup.weight_transfer_dtypes)
-  fetched = updated = 0.0
-  fetches = 2 * setup.micro_batches
+  sent = fetched = 0
   paths, _ = jax.tree_util.tree_flatten_with_path(setup.param_shapes)
   for (path, x), sharding, off in zip(paths, jax.tree.leaves(setup.param_shardings), offloaded):
     host = off and setup.host_kernel
     dtype = next(wire) if host else x.dtype
     if path[0].key in groups:
-      elements = math.prod(sharding.shard_shape(x.shape))
-      fetched += elements * dtype.itemsize * (fetches - 1 if host else fetches)
-      updated += 0 if host else elements * x.dtype.itemsize
-  return ((fetched if moved else 0) + updated) / machine.host_to_device + (
-      updated / machine.device_to_host)
+      layer = math.prod(sharding.shard_shape(x.shape)) * dtype.itemsize // groups[path[0].key]
+      if host:
+        fetched += layer
+      else:
+        sent += layer
+  return sent, fetched
+
+
+def _offloaded_weights_s(setup: Setup, machine: autoplace.Machine) -> float:
+  """What weights in pinned_host add to a step beyond its programs' time: the device
+  optimizer's update brings its leaves of them over and back whole."""
+  groups = {group_name(g) for g in setup.groups if g.offload_weights}
+  offloaded = setup.offload.offloaded if setup.offload else itertools.repeat(False)
+  updated = 0
+  paths, _ = jax.tree_util.tree_flatten_with_path(setup.param_shapes)
+  for (path, x), sharding, off in zip(paths, jax.tree.leaves(setup.param_shardings), offloaded):
+    if path[0].key in groups and not (off and setup.host_kernel):
+      updated += math.prod(sharding.shard_shape(x.shape)) * x.dtype.itemsize
+  return updated / machine.host_to_device + updated / machine.device_to_host
 
 
 def predict_s(setup: Setup, calibration: Optional[Calibration], machine: autoplace.Machine
@@ -217,7 +236,7 @@ def predict_s(setup: Setup, calibration: Optional[Calibration], machine: autopla
                                         for mode, n in layer_modes(config).items())
     copies = 0.0 if moved is None else moved_copies(setup, calibration, machine).wait_s
     if any(g.offload_weights for g in setup.groups):
-      total += _offloaded_weights_s(setup, machine, moved is not None)
+      total += _offloaded_weights_s(setup, machine)
     on_device = sum(n for n, off in zip(elements, offloaded) if not (off and setup.host_kernel))
     total += (setup.micro_batches * (scale * compute + copies)
               + on_device * _ADAM_BYTES_PER_ELEMENT / calibration.device_bandwidth)
