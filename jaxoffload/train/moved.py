@@ -69,6 +69,9 @@ def layer_to_device(stack: Any, index: int) -> Any:
   sharding = layer_sharding(stack.sharding)
   if not isinstance(stack, jax.Array):
     return jax.ShapeDtypeStruct(stack.shape[1:], stack.dtype, sharding=sharding)
+  # The transfer reads the bytes behind JAX's back: only once the program that wrote them
+  # (the last step's update) has ended. A step's first layer waits for it anyway.
+  stack.block_until_ready()
   layers = [jax.device_put(writable_view(shard.data)[index], shard.device)
             for shard in stack.addressable_shards]
   return jax.make_array_from_single_device_arrays(stack.shape[1:], sharding, layers)
