@@ -96,15 +96,14 @@ case $part in
   8b)
     # Activations moved instead of recomputed: every named one of the first 8 layers (the
     # most the host holds beside the exact state: 1.5 GB a layer at micro-batch 8), the
-    # rest saved; saving everything bounds what any such setting can gain.
-    moved="model.recompute_granularity=null model.cpu_offloading=True
-      model.cpu_offloading_num_layers=8 model.cpu_offloading_double_buffering=True
-      model.cpu_offloading_policy=all"
+    # rest saved (offload refuses recompute); saving everything bounds what it can gain.
+    moved="model.cpu_offloading=True model.cpu_offloading_num_layers=8
+      model.cpu_offloading_double_buffering=True model.cpu_offloading_policy=all"
     timeout -k 10 550 python3 -m jaxoffload.bench --config configs/llama_8b_offload.yaml --steps 5 \
       --out "$out/bench_8b" --resume \
-      --setting "save everything=model.recompute_granularity=null" \
-      --setting "8 layers moved by the trainer, the rest saved=$moved" \
       --setting "bf16 moments=optimizer.exp_avg_dtype=bfloat16 optimizer.exp_avg_sq_dtype=bfloat16" \
+      --setting "save everything=model.recompute_granularity=null" \
+      --setting "8 layers moved by the trainer, the rest saved=$moved model.recompute_granularity=null" \
       data.dataset=synthetic model.cpu_offloading=False model.cpu_offloading_num_layers=0 \
       model.recompute_granularity=selective optimizer.optimizer_offload_update_on=host_kernel \
       optimizer.optimizer_offload_fraction=1.0 optimizer.accumulate_offloaded_grads_on=device \
