@@ -182,8 +182,8 @@ def test_activations_moved_by_the_trainer_leave_device_memory(monkeypatch):
 
 
 def test_weights_offloaded_a_program_per_layer_train_as_in_one_program():
-  # Each layer's programs read their layer of the group's stack in pinned_host (XLA copies
-  # the slice inside the program), as the one program's scan does.
+  # Each layer's programs read their layer of the group's stack in pinned_host, sent to the
+  # device a program ahead by the runtime's transfer; the one program's scan copies it.
   from jaxoffload.train import Trainer, load_config, resolve
   weights = TRAINER_SHAPE + [
       "model.cpu_offloading=True", "model.cpu_offloading_num_layers=3",
