@@ -257,50 +257,52 @@ def test_moved_activations_come_back_a_layer_ahead_or_are_read_where_they_are(mo
 def test_offloaded_weights_come_over_for_each_program_that_reads_them(monkeypatch):
   weights = ["model.cpu_offloading=True", "model.cpu_offloading_num_layers=2",
              "model.cpu_offloading_weights=True", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
+  to_device = overlap.layer_to_device
 
-  def trained(overrides, fetches=None):
+  def trained(overrides):
+    """The parameters after two steps, with what came over: each layer sent (its index,
+    where the stack is and where the layer went) and each fetch program run (group, layer)."""
     setup = resolve(load_config(None, [*weights, *overrides]))
     trainer = Trainer(setup)
-    if fetches is not None:  # Each layer's fetch program run, by group and layer.
+    sent, fetches = [], []
+
+    def send(stack, index):
+      layer = to_device(stack, index)
+      sent.append((index, stack.sharding.memory_kind, layer.sharding.memory_kind))
+      return layer
+
+    monkeypatch.setattr(overlap, "layer_to_device", send)
+    if setup.runs_per_layer:
       piece = trainer.overlapped.piece
       jitted = piece.fetch
 
       def fetch(name, host, index):
-        if index is not None:
-          fetches.append((name, int(index)))
+        fetches.append((name, None if index is None else int(index)))
         return jitted(name, host, index)
 
       piece.fetch = fetch
     for i in range(2):
       trainer.step(setup.global_batch(i))
-    return setup, trainer.checkpoint()["params"]
+    return setup, trainer.checkpoint()["params"], sent, fetches
 
-  _, one_program = trained([])  # Whose scan fetches them.
-  # The device optimizer's stacks stay in pinned_host, each program reading a layer sent to
-  # the device a program ahead: up the group going forward, down it going backward.
-  sent, to_device = [], overlap.layer_to_device
-
-  def recorded(stack, index):
-    layer = to_device(stack, index)
-    sent.append((index, stack.sharding.memory_kind, layer.sharding.memory_kind))
-    return layer
-
-  monkeypatch.setattr(overlap, "layer_to_device", recorded)
-  setup, params = trained(["train.per_layer_step=True"])
+  _, one_program, _, _ = trained([])  # Whose scan fetches them.
+  # Each program reads its layer of the group's stack in pinned_host, sent to the device a
+  # program ahead: up the group going forward, down it going backward; the device
+  # optimizer's stacks and the host kernel's alike.
+  leaves = len(jax.tree.leaves(one_program["layers_0_2"]))
+  step = [(i, "pinned_host", "device") for i in (0, 1, 1, 0) for _ in range(leaves)]
+  setup, params, sent, fetches = trained(["train.per_layer_step=True"])
   assert setup.runs_per_layer
   assert max_rel_diff(params, one_program) <= 1e-6  # The same float32 steps.
   assert {x.sharding.memory_kind for x in jax.tree.leaves(params["layers_0_2"])} == {
       "pinned_host"}
-  leaves = len(jax.tree.leaves(params["layers_0_2"]))
-  assert sent == 2 * [(i, "pinned_host", "device") for i in (0, 1, 1, 0) for _ in range(leaves)]
-  monkeypatch.undo()
-  # The host kernel's: per step, the offloaded group's layers come over for the forward
-  # and again for the backward program; the other group's once, kept for both.
-  fetches = []
-  setup, params = trained([*HOST_KERNEL[:1], "optimizer.optimizer_offload_fraction=1.0",
-                           *HOST_KERNEL[2:]], fetches)
+  assert (sent, fetches) == (2 * step, [])
+  setup, params, sent, fetches = trained(
+      [*HOST_KERNEL[:1], "optimizer.optimizer_offload_fraction=1.0", *HOST_KERNEL[2:]])
   assert setup.runs_per_layer
   assert max_rel_diff(params, one_program) <= 1e-6
-  step = [("layers_0_2", 0), ("layers_0_2", 1), ("layers_2_4", 0), ("layers_2_4", 1),
-          ("layers_0_2", 1), ("layers_0_2", 0)]
-  assert fetches == 2 * step
+  # The other group's layers come over once a step, kept for both passes.
+  assert sent == 2 * step
+  assert [f for f in fetches if f[0] == "layers_2_4"] == 2 * [("layers_2_4", 0),
+                                                              ("layers_2_4", 1)]
+  assert not any(name == "layers_0_2" for name, _ in fetches)

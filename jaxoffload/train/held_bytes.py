@@ -34,7 +34,7 @@ class HeldBytes:
 
   def __init__(self, piece: PiecePrograms):
     self.piece = piece
-    self.saved, self.fetched, self.refetched, self.moved = [], [], [], []
+    self.saved, self.fetched, self.moved = [], [], []
     self._heads = 0
 
   def record(self, key: str, static: tuple, args: tuple, out: Any) -> None:
@@ -55,9 +55,8 @@ class HeldBytes:
           _nbytes(jax.tree.leaves(out[1])))
       if self.piece.layouts[name].takes_input:
         self.saved.append(_nbytes([args[-1]]))
-    if key.startswith("fetch"):  # A weight-offloaded layer's for one program only.
-      (self.refetched if static[0] in self.piece.weights_offloaded else self.fetched).append(
-          _nbytes(jax.tree.leaves(out)))
+    if key.startswith("fetch"):
+      self.fetched.append(_nbytes(jax.tree.leaves(out)))
 
   def total(self, device_leaves: list) -> int:
     """The bytes the step holds beside the parameters and state: what a micro-batch's forward
@@ -71,14 +70,15 @@ class HeldBytes:
     # The host kernel's gradients stay on the device until their copy ends: a program's
     # and the one before's at most.
     sent = self._per_piece(lambda dtype, host: 0 if host is None else piece.wire[host].itemsize)
-    # A weight-offloaded layer's device leaves are sent as Python dispatches the program
-    # before the one that reads them, up to PROGRAMS_AHEAD programs ahead of the device:
-    # those of the program running, of those queued, and of the one sent.
-    layers = self._per_piece(lambda dtype, host: dtype.itemsize if host is None else 0)
+    # A weight-offloaded layer is sent as Python dispatches the program before the one that
+    # reads it, up to PROGRAMS_AHEAD programs ahead of the device: the layers of the program
+    # running, of those queued, and of the one sent, the host kernel's as the host keeps them.
+    kept_as = piece.programs.setup.weight_transfer_dtypes
+    layers = self._per_piece(
+        lambda dtype, host: dtype.itemsize if host is None else kept_as[host].itemsize)
     sent_ahead = max((layers[name] for name in piece.weights_offloaded), default=0)
-    kept = (sum(self.saved) + sum(self.fetched) + 2 * max(self.refetched, default=0)
-            + (PROGRAMS_AHEAD + 2) * sent_ahead + 2 * max(self.moved, default=0)
-            + 2 * max(sent.values()))
+    kept = (sum(self.saved) + sum(self.fetched) + (PROGRAMS_AHEAD + 2) * sent_ahead
+            + 2 * max(self.moved, default=0) + 2 * max(sent.values()))
     grads = _nbytes(jax.tree.leaves(device_leaves))
     if piece.micro_batches == 1:
       return kept + grads

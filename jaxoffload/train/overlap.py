@@ -39,9 +39,9 @@ come back while the layer above runs its backward program, unless the link is st
 behind (``train.moved``).
 
 A group whose weights live in pinned_host (``model.cpu_offloading_weights``) brings a layer
-over for each program that reads it, forward and backward: the device optimizer's leaves
-by the runtime's transfer, sent a program ahead (``moved.layer_to_device``), the host
-kernel's by a fetch program, its held update applied once.
+over for each program that reads it, forward and backward, by the runtime's transfer, sent
+a program ahead (``moved.layer_to_device``); the host kernel's leaves once their held update
+is applied.
 """
 
 from __future__ import annotations
@@ -270,8 +270,9 @@ class OverlappedStep:
     to the layer: brought over, once its held update is applied, by the first micro-batch
     that reads them, and let go (``release``) by the last micro-batch's last program that
     reads them; a weight-offloaded group's, by each program (``_offloaded_layer``)."""
+    if name in self.piece.weights_offloaded:
+      return self._offloaded_layer(this, name, index, forward)
     key = (name, index)
-    offloaded = name in self.piece.weights_offloaded
     if key not in this.fetched:
       # Only a forward program applies: by a backward program the update held is this
       # step's, which the backward programs make.
@@ -281,23 +282,30 @@ class OverlappedStep:
       this.fetched[key] = (this.run(f"fetch {name}", self.piece.fetch, (name,), leaves,
                                     None if index is None else np.int32(index))
                            if leaves else [])
-    fetched = this.fetched.pop(key) if release or offloaded else this.fetched[key]
-    if offloaded:
-      return self._offloaded_layer(this, name, index, forward), fetched
+    fetched = this.fetched.pop(key) if release else this.fetched[key]
     return [this.device_leaves[i] for i in self.piece.device_ids.get(name, [])], fetched
 
-  def _offloaded_layer(self, this: _Step, name: str, index: int, forward: bool) -> list:
-    """Layer ``index`` of weight-offloaded group ``name``'s device leaves on the device, and
-    the next program's layer (the one above going forward, below going backward) sent
-    after it, to come over while this one's program runs."""
-    ids = self.piece.device_ids.get(name, [])
-    send = lambda i: [layer_to_device(this.device_leaves[leaf], i) for leaf in ids]
-    layer = this.ahead.pop((name, index), None) or send(index)
+  def _offloaded_layer(self, this: _Step, name: str, index: int, forward: bool
+                       ) -> tuple[list, list]:
+    """Layer ``index`` of weight-offloaded group ``name`` on the device (its device leaves
+    and its host kernel leaves), and the next program's layer (the one above going
+    forward, below going backward) sent after it, to come over while this one's program
+    runs."""
+    layer = this.ahead.pop((name, index), None) or self._send(this, name, index, forward)
     group = self.piece.layer_groups[name]
     following = index + 1 if forward else index - 1
-    if ids and 0 <= following < group.stop - group.start:
-      this.ahead[(name, following)] = send(following)
+    if 0 <= following < group.stop - group.start:
+      this.ahead[(name, following)] = self._send(this, name, following, forward)
     return layer
+
+  def _send(self, this: _Step, name: str, index: int, forward: bool) -> tuple[list, list]:
+    """Starts layer ``index`` of weight-offloaded group ``name`` to the device: its device
+    leaves and, going forward once its held update is applied, its host kernel leaves."""
+    if this.host is not None and forward:
+      this.host.apply_held(self.piece.host_pieces(name, index))
+    send = lambda leaves, ids: [layer_to_device(leaves[i], index) for i in ids]
+    return (send(this.device_leaves, self.piece.device_ids.get(name, [])),
+            send(this.host_params, self.piece.host_ids.get(name, [])))
 
   @staticmethod
   def _take(sums: dict, names: tuple) -> Any:

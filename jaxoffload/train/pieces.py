@@ -103,7 +103,9 @@ class PiecePrograms:
   def _params(self, name: str, device: list, fetched: list, index: Any = None) -> Any:
     """Parameter ``name``'s tree on the device from its device leaves and its fetched host
     kernel leaves (``_fetch_piece``), layer ``index`` of a group's (a weight-offloaded
-    group's device leaves come as the layer already)."""
+    group's leaves come as the layer already, ``train.overlap``)."""
+    if name in self.weights_offloaded:  # Sent as the host keeps them.
+      fetched = [x.astype(self.wire[i]) for x, i in zip(fetched, self.host_ids.get(name, []))]
     device, fetched = iter(device), iter(fetched)
     leaves = [next(fetched) if h else next(device) for h in self.is_host[name]]
     if index is not None and name not in self.weights_offloaded:

@@ -16,7 +16,7 @@ A step is predicted to take the sum of:
   follows ``train.moved``'s copies through a micro-batch at this machine's link
   rates, a layer's forward pass taken as a third of its time, its backward pass
   two thirds); with their weights in pinned_host, each program waits for its layer,
-  sent on the same link a program ahead (the host kernel's: fetched in turn);
+  sent on the same link a program ahead;
 - with weights in pinned_host, the device optimizer's update bringing its leaves
   of them over and back whole (``_offloaded_weights_s``);
 - the device's AdamW on the leaves it keeps: their bytes over the device's
@@ -123,8 +123,8 @@ class MovedCopies:
   """What moving the offloaded layers' activations costs a micro-batch (``train.moved``).
 
   Attributes:
-    wait_s: the seconds the moved layers' programs add to their compute: the device waiting
-      for copies back and for weights sent ahead, and the host kernel's weights fetched.
+    wait_s: the seconds the device waits for the moved layers' copies back and, with their
+      weights in pinned_host, for their weights.
     held_bytes: one device's bytes of originals still held as the backward pass reaches
       the moved layers (their copies out not ended, or chosen to be read in place), beyond
       the two layers' that a compiled step counts (``train.held_bytes``).
@@ -142,19 +142,18 @@ def moved_copies(setup: Setup, calibration: Calibration, machine: autoplace.Mach
   program, ``moved.PROGRAMS_AHEAD`` programs ahead of the device: its original if its
   copy has not ended, else the copy back, which starts then, one after another on the
   link, and which its backward pass waits for. With the layers' weights in pinned_host,
-  each program waits for its layer's device leaves, sent on the link to the device as
-  Python dispatches the program before, and runs the host kernel's fetch program first.
-  None where the trainer moves nothing."""
+  each program waits for its layer, sent on the link to the device as Python dispatches
+  the program before. None where the trainer moves nothing."""
   if _moved_mode(setup.config) is None:
     return None
   t, m = setup.config.train, setup.config.model
   layers = m.cpu_offloading_num_layers
   each = offloaded_activation_bytes(setup.model, setup.groups, t.micro_batch_size,
                                     m.seq_length) / layers / setup.mesh.size
-  sent, fetched = (n / machine.host_to_device for n in _offloaded_layer_bytes(setup))
+  sent = _offloaded_layer_bytes(setup) / machine.host_to_device
   scale = calibration.scale(t.micro_batch_size)
   layer_s = scale * calibration.layer_s["save"]
-  forward, backward = layer_s / 3 + fetched, 2 * layer_s / 3 + fetched
+  forward, backward = layer_s / 3, 2 * layer_s / 3
   # Forward: layer i's weights start over as program i - 1 - PROGRAMS_AHEAD starts.
   starts, ended, up, down, now = [], [], 0.0, 0.0, 0.0
   for layer in range(layers):
@@ -186,25 +185,19 @@ def moved_copies(setup: Setup, calibration: Calibration, machine: autoplace.Mach
   return MovedCopies(waited, int(each * max(held - 2, 0)))
 
 
-def _offloaded_layer_bytes(setup: Setup) -> tuple[int, int]:
-  """One device's bytes of a layer of the weight-offloaded group: its device optimizer
-  leaves (sent by the runtime's transfer) and its host kernel leaves (fetched by a
-  program, in the dtype they reach the device in)."""
+def _offloaded_layer_bytes(setup: Setup) -> int:
+  """One device's bytes of a layer of the weight-offloaded group, as they cross the link:
+  the host kernel's leaves in the dtype the host keeps them in."""
   groups = {group_name(g): g.stop - g.start for g in setup.groups if g.offload_weights}
   offloaded = setup.offload.offloaded if setup.offload else itertools.repeat(False)
-  wire = iter(setup.weight_transfer_dtypes)
-  sent = fetched = 0
+  kept_as = iter(setup.weight_transfer_dtypes)
+  sent = 0
   paths, _ = jax.tree_util.tree_flatten_with_path(setup.param_shapes)
   for (path, x), sharding, off in zip(paths, jax.tree.leaves(setup.param_shardings), offloaded):
-    host = off and setup.host_kernel
-    dtype = next(wire) if host else x.dtype
+    dtype = next(kept_as) if off and setup.host_kernel else x.dtype
     if path[0].key in groups:
-      layer = math.prod(sharding.shard_shape(x.shape)) * dtype.itemsize // groups[path[0].key]
-      if host:
-        fetched += layer
-      else:
-        sent += layer
-  return sent, fetched
+      sent += math.prod(sharding.shard_shape(x.shape)) * dtype.itemsize // groups[path[0].key]
+  return sent
 
 
 def _offloaded_weights_s(setup: Setup, machine: autoplace.Machine) -> float:
