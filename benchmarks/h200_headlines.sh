@@ -10,9 +10,10 @@
 #               masters); compact moments at 1.0
 #   1b-clipped  the same with clip_grad=1
 #   activations the 1.1B shape's activations: full recompute, and all but one layer sending
-#               `qkv` or `all` to the host (moved by XLA and by the trainer), and the weights
-#               of all but two layers kept on the host (inside the one program, and a program
-#               per layer), against saving everything
+#               `qkv` or `all` to the host (moved by XLA in the looped program and by the
+#               trainer), and the weights of all but two layers kept on the host (inside the
+#               looped program, and a program per layer), against saving everything (unrolled
+#               and looped)
 #   plan        the planner on the 8B shape (its time, and no XLA log line in its output), and
 #               the GPU tests
 #   import      the 8B Hugging Face import (run N's command), trained 3 steps and exported
@@ -55,16 +56,21 @@ case $part in
   1b) bench_1b bench_1b_unclipped optimizer.clip_grad=0 ;;
   1b-clipped) bench_1b bench_1b_clipped optimizer.clip_grad=1 ;;
   activations)
+    # XLA's recompute and copies inside one program run with its layers looped: unrolled
+    # (the config's baseline) they save no memory (advice.unrolled_recompute).
     layers="model.cpu_offloading=True model.cpu_offloading_num_layers=21"
     moved="model.cpu_offloading_double_buffering=True"
+    looped="model.scan_layers=True"
+    weights="model.cpu_offloading=True model.cpu_offloading_num_layers=20 model.cpu_offloading_weights=True"
     timeout -k 10 550 python3 -m jaxoffload.bench --config configs/llama_1b.yaml --steps 8 \
-      --out "$out/bench_activations" --resume --settings "baseline again" \
-      --setting "full recompute=model.recompute_granularity=full" \
-      --setting "qkv on 21 layers=$layers" --setting "qkv on 21 layers moved=$layers $moved" \
-      --setting "all on 21 layers=$layers model.cpu_offloading_policy=all" \
+      --out "$out/bench_activations" --resume \
+      --settings "baseline again,baseline with its layers scanned" \
+      --setting "full recompute=model.recompute_granularity=full $looped" \
+      --setting "qkv on 21 layers=$layers $looped" --setting "qkv on 21 layers moved=$layers $moved" \
+      --setting "all on 21 layers=$layers model.cpu_offloading_policy=all $looped" \
       --setting "all on 21 layers moved=$layers $moved model.cpu_offloading_policy=all" \
-      --setting "weights of 20 layers=model.cpu_offloading=True model.cpu_offloading_num_layers=20 model.cpu_offloading_weights=True" \
-      --setting "weights of 20 layers moved=model.cpu_offloading=True model.cpu_offloading_num_layers=20 model.cpu_offloading_weights=True $moved" \
+      --setting "weights of 20 layers=$weights $looped" \
+      --setting "weights of 20 layers moved=$weights $moved" \
       optimizer.clip_grad=0 > "$out/bench_activations.log" 2>&1
     echo "bench_activations: exit $?"
     ;;

@@ -64,8 +64,9 @@ class LlamaConfig:
       name), which compiles in the time of one layer; False unrolls the loop over the
       same stacks: XLA compiles every layer on its own, longer, and schedules the step
       across them, on a GPU faster and in less memory (docs/performance.md's baseline;
-      configs/llama_1b.yaml sets it). A step run a program per layer
-      (``jaxoffload.train.overlap``) has no loop to unroll.
+      configs/llama_1b.yaml sets it), but recomputing early: recompute and activation
+      offload inside it save no memory (the trainer warns). A step run a program per
+      layer (``jaxoffload.train.overlap``) has no loop to unroll.
   """
 
   vocab_size: int = 256

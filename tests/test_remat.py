@@ -125,3 +125,52 @@ def test_megatron_settings_make_the_expected_groups():
 def test_megatron_rules_refuse_with_the_reference_wording(settings, message):
   with pytest.raises(ValueError, match=message):
     remat.megatron_layer_groups(4, **settings)
+
+
+def _recompute_temp_bytes(unroll: int) -> tuple[int, int]:
+  """XLA's temporary bytes for the gradient of 8 scanned layers, saving everything and
+  recomputing everything, with the loop rolled (``unroll=1``) or unrolled (``unroll=8``)."""
+  layer = lambda x, w: (jnp.tanh(jnp.tanh(x @ w) @ w), None)
+  ws, x = jnp.full((8, 128, 128), 0.01), jnp.ones((1024, 128))
+
+  def temp(body):
+    loss = lambda ws, x: jnp.sum(jax.lax.scan(body, x, ws, unroll=unroll)[0])
+    return jax.jit(jax.grad(loss)).lower(ws, x).compile().memory_analysis().temp_size_in_bytes
+
+  recomputed = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable,
+                              prevent_cse=False)
+  return temp(layer), temp(recomputed)
+
+
+def test_recompute_saves_memory_only_where_the_layers_loop():
+  # Why an unrolled one program warns (advice.unrolled_recompute): XLA schedules the
+  # recomputation of straight-line layers early, keeping what it would free.
+  saved, recomputed = _recompute_temp_bytes(unroll=1)
+  assert recomputed < saved / 2
+  saved, recomputed = _recompute_temp_bytes(unroll=8)
+  assert recomputed >= saved
+
+
+@pytest.mark.parametrize("overrides, backend, warned", [
+    (["model.scan_layers=False", "model.recompute_granularity=full"], "gpu", True),
+    (["model.scan_layers=False", "model.recompute_granularity=selective"], "cpu", True),
+    (["model.scan_layers=False", "model.cpu_offloading=True",
+      "model.cpu_offloading_num_layers=2"], "gpu", True),
+    (["model.scan_layers=False", "model.recompute_granularity=full"], "tpu", False),
+    (["model.scan_layers=True", "model.recompute_granularity=full"], "gpu", False),
+    (["model.scan_layers=False", "model.recompute_granularity=null"], "gpu", False),
+    # Moved by the trainer: a program per layer recomputes in its backward program.
+    (["model.scan_layers=False", "model.cpu_offloading=True", "model.cpu_offloading_num_layers=2",
+      "model.cpu_offloading_double_buffering=True"], "gpu", False),
+])
+def test_an_unrolled_one_program_warns_that_recompute_saves_no_memory(overrides, backend,
+                                                                         warned):
+  from jaxoffload.train import advice, load_config, resolve
+  setup = resolve(load_config(None, overrides))
+  lines = advice.unrolled_recompute(setup.config, backend, setup.runs_per_layer)
+  assert lines == ([
+      "warning: model.scan_layers=False with recompute or activation offload in one program "
+      "saves no device memory: XLA recomputes the unrolled layers early "
+      "(docs/performance.md#activation-offload); scan_layers=True saves it, or "
+      "model.cpu_offloading_double_buffering=True moves activations a program per layer"]
+      if warned else [])

@@ -54,6 +54,20 @@ def warnings(config: Config, backend: str) -> list[str]:
   return lines
 
 
+def unrolled_recompute(config: Config, backend: str, runs_per_layer: bool) -> list[str]:
+  """A warning where XLA's unrolled one program takes back the memory that recompute and
+  activation offload would free: XLA schedules its recomputation early (measured on GPU
+  and CPU; docs/performance.md#activation-offload); a program per layer keeps them."""
+  m = config.model
+  inside = m.recompute_granularity is not None or (m.cpu_offloading and m.cpu_offloading_activations)
+  if m.scan_layers or runs_per_layer or not inside or backend not in ("gpu", "cpu"):
+    return []
+  return ["warning: model.scan_layers=False with recompute or activation offload in one "
+          "program saves no device memory: XLA recomputes the unrolled layers early "
+          "(docs/performance.md#activation-offload); scan_layers=True saves it, or "
+          "model.cpu_offloading_double_buffering=True moves activations a program per layer"]
+
+
 def switched_off(config: Config) -> list[str]:
   """A note for each key given a value other than its default whose switch is off."""
   lines = []

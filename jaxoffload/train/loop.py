@@ -200,7 +200,8 @@ def _announce(setup: Setup, trainer: Trainer, log: Log) -> None:
   elif setup.offload is not None:
     log(str(setup.offload))
   backend = jax.default_backend()
-  warnings = advice.warnings(config, backend)
+  warnings = advice.warnings(config, backend) + advice.unrolled_recompute(
+      config, backend, setup.runs_per_layer)
   # Elsewhere the flag changes nothing: advice.warnings says so.
   if backend == "gpu" and m.cuda_graph_impl != "none" and (
       launch.COMMAND_BUFFER_FLAG not in os.environ.get("XLA_FLAGS", "")):
