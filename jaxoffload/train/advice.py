@@ -59,7 +59,8 @@ def unrolled_recompute(config: Config, backend: str, runs_per_layer: bool) -> li
   activation offload would free: XLA schedules its recomputation early (measured on GPU
   and CPU; docs/performance.md#activation-offload); a program per layer keeps them."""
   m = config.model
-  inside = m.recompute_granularity is not None or (m.cpu_offloading and m.cpu_offloading_activations)
+  inside = m.recompute_granularity is not None or (
+      m.cpu_offloading and m.cpu_offloading_activations)
   if m.scan_layers or runs_per_layer or not inside or backend not in ("gpu", "cpu"):
     return []
   return ["warning: model.scan_layers=False with recompute or activation offload in one "

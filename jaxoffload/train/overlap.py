@@ -79,7 +79,7 @@ class _Step(NamedTuple):
   sums: dict  # Per piece, its gradients' sums over the micro-batches so far.
   step: Any  # The update's count, which salts the sums' rounding; None for one micro-batch.
   moves: Moves  # The moved layers' activations.
-  ahead: dict  # Per layer of a weight-offloaded group, its device leaves on their way over.
+  ahead: dict  # Per layer of a weight-offloaded group, its leaves on their way over.
 
 
 class OverlappedStep:
