@@ -99,8 +99,13 @@ SLOW = pytest.mark.slow
                  id="activations-moved-accumulation"),
     pytest.param([*MOVED, *HOST_KERNEL, "mesh.fsdp=2", "mesh.tensor=2"], marks=SLOW,
                  id="activations-moved-host-kernel-sharded"),
+    # Weights in pinned_host a program per layer, each layer sent a program ahead and the
+    # activations moved, over two micro-batches: the steps compiled first, as a run does.
+    pytest.param(["model.cpu_offloading=True", "model.cpu_offloading_num_layers=2",
+                  "model.cpu_offloading_weights=True", "model.cpu_offloading_double_buffering=True",
+                  "train.micro_batch_size=4"], marks=SLOW, id="weights-moved-accumulation"),
     # Weights in pinned_host a program per layer, the host kernel's (every leaf its own)
-    # fetched for each program over two micro-batches, its update applied once.
+    # sent for each program over two micro-batches, its update applied once.
     pytest.param([*HOST_KERNEL[:1], "optimizer.optimizer_offload_fraction=1.0", *HOST_KERNEL[2:],
                   "model.cpu_offloading=True", "model.cpu_offloading_num_layers=2",
                   "model.cpu_offloading_weights=True", "train.micro_batch_size=4",
