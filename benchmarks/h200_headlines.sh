@@ -12,7 +12,7 @@
 #   activations the 1.1B shape's activations: full recompute, and all but one layer sending
 #               `qkv` or `all` to the host (moved by XLA in the looped program and by the
 #               trainer), and the weights of all but two layers kept on the host (inside the
-#               one program, and a program per layer), against saving everything (unrolled
+#               looped program, and a program per layer), against saving everything (unrolled
 #               and looped)
 #   plan        the planner on the 8B shape (its time, and no XLA log line in its output), and
 #               the GPU tests
@@ -56,9 +56,8 @@ case $part in
   1b) bench_1b bench_1b_unclipped optimizer.clip_grad=0 ;;
   1b-clipped) bench_1b bench_1b_clipped optimizer.clip_grad=1 ;;
   activations)
-    # XLA's recompute and copies of activations inside one program run with its layers looped:
-    # unrolled (the config's baseline) they save no memory (advice.unrolled_recompute). Its
-    # weights offload stays unrolled: looped, the H100 failed it (the GPU test's IndexError).
+    # XLA's recompute and copies inside one program run with its layers looped: unrolled (the
+    # config's baseline) they save no memory (advice.unrolled_recompute).
     layers="model.cpu_offloading=True model.cpu_offloading_num_layers=21"
     moved="model.cpu_offloading_double_buffering=True"
     looped="model.scan_layers=True"
@@ -70,7 +69,7 @@ case $part in
       --setting "qkv on 21 layers=$layers $looped" --setting "qkv on 21 layers moved=$layers $moved" \
       --setting "all on 21 layers=$layers model.cpu_offloading_policy=all $looped" \
       --setting "all on 21 layers moved=$layers $moved model.cpu_offloading_policy=all" \
-      --setting "weights of 20 layers=$weights" \
+      --setting "weights of 20 layers=$weights $looped" \
       --setting "weights of 20 layers moved=$weights $moved" \
       optimizer.clip_grad=0 > "$out/bench_activations.log" 2>&1
     echo "bench_activations: exit $?"
