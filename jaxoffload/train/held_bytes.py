@@ -16,6 +16,7 @@ import numpy as np
 
 from jaxoffload.train.moved import PROGRAMS_AHEAD
 from jaxoffload.train.pieces import PiecePrograms
+from jaxoffload.train.step_time import offloaded_group_bytes
 
 
 def _nbytes(arrays) -> int:
@@ -72,11 +73,8 @@ class HeldBytes:
     sent = self._per_piece(lambda dtype, host: 0 if host is None else piece.wire[host].itemsize)
     # A weight-offloaded layer is sent as Python dispatches the program before the one that
     # reads it, up to PROGRAMS_AHEAD programs ahead of the device: the layers of the program
-    # running, of those queued, and of the one sent, the host kernel's as the host keeps them.
-    kept_as = piece.programs.setup.weight_transfer_dtypes
-    layers = self._per_piece(
-        lambda dtype, host: dtype.itemsize if host is None else kept_as[host].itemsize)
-    sent_ahead = max((layers[name] for name in piece.weights_offloaded), default=0)
+    # running, of those queued, and of the one sent.
+    sent_ahead = offloaded_group_bytes(piece.programs.setup)[0]
     kept = (sum(self.saved) + sum(self.fetched) + (PROGRAMS_AHEAD + 2) * sent_ahead
             + 2 * max(self.moved, default=0) + 2 * max(sent.values()))
     grads = _nbytes(jax.tree.leaves(device_leaves))

@@ -18,7 +18,7 @@ A step is predicted to take the sum of:
   two thirds); with their weights in pinned_host, each program waits for its layer,
   sent on the same link a program ahead;
 - with weights in pinned_host, the device optimizer's update bringing its leaves
-  of them over and back whole (``_offloaded_weights_s``);
+  of them over and back whole (``offloaded_group_bytes``);
 - the device's AdamW on the leaves it keeps: their bytes over the device's
   copy bandwidth, measured alongside;
 - what optimizer offload adds: ``autoplace``'s prices from this machine's
@@ -150,7 +150,7 @@ def moved_copies(setup: Setup, calibration: Calibration, machine: autoplace.Mach
   layers = m.cpu_offloading_num_layers
   each = offloaded_activation_bytes(setup.model, setup.groups, t.micro_batch_size,
                                     m.seq_length) / layers / setup.mesh.size
-  sent = _offloaded_layer_bytes(setup) / machine.host_to_device
+  sent = offloaded_group_bytes(setup)[0] / machine.host_to_device
   scale = calibration.scale(t.micro_batch_size)
   layer_s = scale * calibration.layer_s["save"]
   forward, backward = layer_s / 3, 2 * layer_s / 3
@@ -185,32 +185,24 @@ def moved_copies(setup: Setup, calibration: Calibration, machine: autoplace.Mach
   return MovedCopies(waited, int(each * max(held - 2, 0)))
 
 
-def _offloaded_layer_bytes(setup: Setup) -> int:
-  """One device's bytes of a layer of the weight-offloaded group, as they cross the link:
-  the host kernel's leaves in the dtype the host keeps them in."""
+def offloaded_group_bytes(setup: Setup) -> tuple[int, int]:
+  """One device's bytes of the weight-offloaded group: a layer's as it crosses the link to
+  each program that reads it (the host kernel's leaves in the dtype the host keeps them
+  in), and the whole group's device optimizer leaves, which its update brings over and
+  back."""
   groups = {group_name(g): g.stop - g.start for g in setup.groups if g.offload_weights}
   offloaded = setup.offload.offloaded if setup.offload else itertools.repeat(False)
   kept_as = iter(setup.weight_transfer_dtypes)
-  sent = 0
+  layer = updated = 0
   paths, _ = jax.tree_util.tree_flatten_with_path(setup.param_shapes)
   for (path, x), sharding, off in zip(paths, jax.tree.leaves(setup.param_shardings), offloaded):
-    dtype = next(kept_as) if off and setup.host_kernel else x.dtype
+    host = off and setup.host_kernel
+    dtype = next(kept_as) if host else x.dtype
     if path[0].key in groups:
-      sent += math.prod(sharding.shard_shape(x.shape)) * dtype.itemsize // groups[path[0].key]
-  return sent
-
-
-def _offloaded_weights_s(setup: Setup, machine: autoplace.Machine) -> float:
-  """What weights in pinned_host add to a step beyond its programs' time: the device
-  optimizer's update brings its leaves of them over and back whole."""
-  groups = {group_name(g) for g in setup.groups if g.offload_weights}
-  offloaded = setup.offload.offloaded if setup.offload else itertools.repeat(False)
-  updated = 0
-  paths, _ = jax.tree_util.tree_flatten_with_path(setup.param_shapes)
-  for (path, x), sharding, off in zip(paths, jax.tree.leaves(setup.param_shardings), offloaded):
-    if path[0].key in groups and not (off and setup.host_kernel):
-      updated += math.prod(sharding.shard_shape(x.shape)) * x.dtype.itemsize
-  return updated / machine.host_to_device + updated / machine.device_to_host
+      elements = math.prod(sharding.shard_shape(x.shape))
+      layer += elements * dtype.itemsize // groups[path[0].key]
+      updated += 0 if host else elements * x.dtype.itemsize
+  return layer, updated
 
 
 def predict_s(setup: Setup, calibration: Optional[Calibration], machine: autoplace.Machine
@@ -228,8 +220,9 @@ def predict_s(setup: Setup, calibration: Optional[Calibration], machine: autopla
     compute = calibration.fixed_s + sum(n * layer_s(mode)
                                         for mode, n in layer_modes(config).items())
     copies = 0.0 if moved is None else moved_copies(setup, calibration, machine).wait_s
-    if any(g.offload_weights for g in setup.groups):
-      total += _offloaded_weights_s(setup, machine)
+    # The device optimizer's update brings its leaves of weights in pinned_host over and back.
+    updated = offloaded_group_bytes(setup)[1]
+    total += updated / machine.host_to_device + updated / machine.device_to_host
     on_device = sum(n for n, off in zip(elements, offloaded) if not (off and setup.host_kernel))
     total += (setup.micro_batches * (scale * compute + copies)
               + on_device * _ADAM_BYTES_PER_ELEMENT / calibration.device_bandwidth)
