@@ -12,8 +12,8 @@
 #   activations the 1.1B shape's activations: full recompute, and all but one layer sending
 #               `qkv` or `all` to the host (moved by XLA in the looped program and by the
 #               trainer), and the weights of all but two layers kept on the host (inside the
-#               looped program, and a program per layer), against saving everything (unrolled
-#               and looped)
+#               looped program, and a program per layer, updated by the device or beside them
+#               by the host kernel), against saving everything (unrolled and looped)
 #   plan        the planner on the 8B shape (its time, and no XLA log line in its output), and
 #               the GPU tests
 #   import      the 8B Hugging Face import (run N's command), trained 3 steps and exported
@@ -62,15 +62,21 @@ case $part in
     moved="model.cpu_offloading_double_buffering=True"
     looped="model.scan_layers=True"
     weights="model.cpu_offloading=True model.cpu_offloading_num_layers=20 model.cpu_offloading_weights=True"
+    # 0.81 of the elements: the weight-offloaded group's (0.80), whose state a fraction
+    # offloads first, so that their update stays on the host beside them.
+    kernel="optimizer.optimizer_cpu_offload=True optimizer.optimizer_offload_fraction=0.81
+      optimizer.optimizer_offload_update_on=host_kernel optimizer.offload_transfer_dtype=bfloat16"
     timeout -k 10 550 python3 -m jaxoffload.bench --config configs/llama_1b.yaml --steps 8 \
       --out "$out/bench_activations" --resume \
       --settings "baseline again,baseline with its layers scanned" \
       --setting "full recompute=model.recompute_granularity=full $looped" \
       --setting "qkv on 21 layers=$layers $looped" --setting "qkv on 21 layers moved=$layers $moved" \
-      --setting "all on 21 layers=$layers model.cpu_offloading_policy=all $looped" \
       --setting "all on 21 layers moved=$layers $moved model.cpu_offloading_policy=all" \
-      --setting "weights of 20 layers=$weights $looped" \
+      --setting "weights of 20 layers moved and updated on the host=$weights $moved $kernel" \
+      --setting "the host kernel at 0.81=$kernel" \
       --setting "weights of 20 layers moved=$weights $moved" \
+      --setting "all on 21 layers=$layers model.cpu_offloading_policy=all $looped" \
+      --setting "weights of 20 layers=$weights $looped" \
       optimizer.clip_grad=0 > "$out/bench_activations.log" 2>&1
     echo "bench_activations: exit $?"
     ;;

@@ -93,7 +93,8 @@ class OffloadPlan:
 
 
 def plan_offload(params: Any, *, offload_fraction: float = 1.0,
-                 offload_mask: OffloadMask | None = None) -> OffloadPlan:
+                 offload_mask: OffloadMask | None = None,
+                 first: OffloadMask | None = None) -> OffloadPlan:
   """Chooses the parameter leaves whose optimizer state goes to host memory.
 
   Without a mask, the leaves offloaded are those whose share of the elements
@@ -106,6 +107,7 @@ def plan_offload(params: Any, *, offload_fraction: float = 1.0,
   per-layer tensors that lands near the share, but a scanned model's leaves
   stack every layer (one MLP leaf of a 22-layer 1.1B model holds 23% of the
   elements), so filling in order can miss the share by a quarter of the model.
+  ``first`` puts some leaves ahead of the rest (largest first among each).
 
   Scalar (0-d) leaves always stay on the device: offloading one saves a few
   bytes, and jit's donation pairs buffers with outputs by shape, so a host
@@ -117,6 +119,9 @@ def plan_offload(params: Any, *, offload_fraction: float = 1.0,
     offload_mask: picks the leaves instead of ``offload_fraction``: a pytree of
       bools with the parameters' structure, or ``fn(path, leaf) -> bool`` where
       ``path`` is the leaf's '/'-joined key path.
+    first: with ``offload_fraction``, leaves (picked as ``offload_mask`` picks) taken
+      before any other: those whose weights live in host memory already, whose update
+      then stays there.
 
   Returns:
     An ``OffloadPlan``; ``print(plan)`` shows the achieved share.
@@ -127,6 +132,9 @@ def plan_offload(params: Any, *, offload_fraction: float = 1.0,
     0.25
   """
   fraction = check_fraction(offload_fraction)
+  if first is not None and offload_mask is not None:
+    raise ValueError("first orders the leaves offload_fraction takes; offload_mask picks "
+                     "them itself: pass one of the two")
   path_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
   sizes = [math.prod(leaf.shape) for _, leaf in path_leaves]
   paths = [leaf_path(key_path) for key_path, _ in path_leaves]
@@ -134,19 +142,11 @@ def plan_offload(params: Any, *, offload_fraction: float = 1.0,
   candidates = [len(leaf.shape) > 0 for _, leaf in path_leaves]
 
   if offload_mask is None:
-    chosen = _nearest_share(sizes, candidates, fraction * total)
-  elif callable(offload_mask):
-    chosen = [bool(offload_mask(path, leaf)) for path, (_, leaf) in zip(paths, path_leaves)]
+    ahead = ([False] * len(sizes) if first is None
+             else _picked("first", first, paths, path_leaves, treedef))
+    chosen = _nearest_share(sizes, candidates, fraction * total, ahead)
   else:
-    mask_leaves, mask_treedef = jax.tree_util.tree_flatten(offload_mask)
-    if mask_treedef != treedef:
-      raise ValueError(
-          "offload_mask must have the parameters' tree structure; got "
-          f"{mask_treedef}, expected {treedef}")
-    bad = [m for m in mask_leaves if not isinstance(m, (bool, np.bool_))]
-    if bad:
-      raise ValueError(f"offload_mask leaves must be bools, got {bad[0]!r}")
-    chosen = [bool(m) for m in mask_leaves]
+    chosen = _picked("offload_mask", offload_mask, paths, path_leaves, treedef)
   chosen = [c and candidate for c, candidate in zip(chosen, candidates)]
 
   return OffloadPlan(
@@ -166,9 +166,28 @@ def named_sharding(leaf: Any) -> jax.sharding.NamedSharding | None:
   return sharding if isinstance(sharding, jax.sharding.NamedSharding) else None
 
 
-def _nearest_share(sizes: list[int], candidates: list[bool], target: float) -> list[bool]:
-  """The candidate leaves to take so that their sizes sum near ``target`` (see plan_offload)."""
-  order = sorted((i for i, c in enumerate(candidates) if c), key=lambda i: -sizes[i])
+def _picked(name: str, mask: OffloadMask, paths: list[str], path_leaves: list,
+            treedef: Any) -> list[bool]:
+  """Per leaf, whether ``mask`` (a predicate or a tree of bools, named ``name``) picks it."""
+  if callable(mask):
+    return [bool(mask(path, leaf)) for path, (_, leaf) in zip(paths, path_leaves)]
+  mask_leaves, mask_treedef = jax.tree_util.tree_flatten(mask)
+  if mask_treedef != treedef:
+    raise ValueError(
+        f"{name} must have the parameters' tree structure; got {mask_treedef}, expected "
+        f"{treedef}")
+  bad = [m for m in mask_leaves if not isinstance(m, (bool, np.bool_))]
+  if bad:
+    raise ValueError(f"{name} leaves must be bools, got {bad[0]!r}")
+  return [bool(m) for m in mask_leaves]
+
+
+def _nearest_share(sizes: list[int], candidates: list[bool], target: float,
+                   first: list[bool]) -> list[bool]:
+  """The candidate leaves to take so that their sizes sum near ``target``, those marked
+  ``first`` ahead of the rest (see plan_offload)."""
+  order = sorted((i for i, c in enumerate(candidates) if c),
+                 key=lambda i: (not first[i], -sizes[i]))
   chosen, taken = [False] * len(sizes), 0
   for i in order:
     if taken + sizes[i] <= target:

@@ -68,6 +68,21 @@ def test_plan_takes_the_share_nearest_the_fraction():
   assert "40.00%" in str(jaxoffload.plan_offload(params, offload_fraction=0.4))
 
 
+def test_plan_takes_the_first_leaves_ahead_of_larger_ones():
+  params = {"a": jnp.zeros(30), "b": jnp.zeros(60), "c": jnp.zeros(10)}
+  first = lambda path, leaf: path == "c"
+  ahead = {0.6: ("a", "c"), 0.1: ("c",), 0.7: ("b", "c"), 1.0: ("a", "b", "c")}
+  for fraction, paths in ahead.items():
+    plan = jaxoffload.plan_offload(params, offload_fraction=fraction, first=first)
+    assert plan.offloaded_paths == paths, fraction
+  # Largest first, 0.6 takes 'b' alone.
+  assert jaxoffload.plan_offload(params, offload_fraction=0.6).offloaded_paths == ("b",)
+  with pytest.raises(ValueError, match="first must have the parameters' tree structure"):
+    jaxoffload.plan_offload(params, offload_fraction=0.5, first={"a": True})
+  with pytest.raises(ValueError, match="offload_mask picks them itself"):
+    jaxoffload.plan_offload(params, offload_mask=first, first=first)
+
+
 def test_plan_takes_a_leaf_for_any_fraction_above_zero():
   params = {"big": jnp.zeros(1000), "small": jnp.zeros(100)}
   assert jaxoffload.plan_offload(params, offload_fraction=0.001).offloaded_paths == ("small",)

@@ -5,6 +5,7 @@ import jax
 import numpy as np
 import pytest
 
+from jaxoffload import plan_offload
 from jaxoffload.train import Trainer, load_config, overlap, resolve, train, weights
 from tests.helpers import HOST_KERNEL, QUIET, max_rel_diff
 
@@ -250,6 +251,24 @@ def test_moved_activations_come_back_a_layer_ahead_or_are_read_where_they_are(mo
     # The same float32 steps however far behind.
     assert max_rel_diff(trained(True), one_program) <= 1e-6
     assert copies == 2 * expected[link], link
+
+
+def test_the_state_of_weights_in_pinned_host_is_the_first_a_fraction_offloads():
+  # Their update then stays beside them, where the device's would bring the group over and
+  # back each step.
+  weights = ["model.cpu_offloading=True", "model.cpu_offloading_num_layers=2",
+             "model.cpu_offloading_weights=True"]
+  shapes = resolve(load_config(None, weights)).param_shapes
+  leaves, _ = jax.tree_util.tree_flatten_with_path(shapes)
+  group = {jax.tree_util.keystr(path): x.size for path, x in leaves
+           if path[0].key == "layers_0_2" and x.ndim > 0}
+  share = sum(group.values()) / sum(x.size for _, x in leaves)
+  offloaded = lambda plan: {jax.tree_util.keystr(path)
+                            for (path, _), host in zip(leaves, plan.offloaded) if host}
+  assert offloaded(plan_offload(shapes, offload_fraction=share)) != set(group)  # Largest first.
+  setup = resolve(load_config(None, [*weights, *HOST_KERNEL[:1],
+                                     f"optimizer.optimizer_offload_fraction={share}"]))
+  assert offloaded(setup.offload) == set(group)
 
 
 @SLOW

@@ -227,7 +227,12 @@ def _offload_plan(config: Config) -> Optional[OffloadPlan]:
   if not o.optimizer_cpu_offload:
     return None
   shapes, _ = _param_shapes(config.model.llama(), _layer_ranges(config))
-  return plan_offload(shapes, offload_fraction=o.optimizer_offload_fraction)
+  # Leaves whose weights live in pinned_host already go first: their update then stays
+  # beside them, where the device's would bring the whole group over and back.
+  host_groups = tuple(group_name(g) + "/" for g in rules.layer_groups(config)
+                      if g.offload_weights)
+  return plan_offload(shapes, offload_fraction=o.optimizer_offload_fraction,
+                      first=lambda path, _: path.startswith(host_groups))
 
 
 def _placed(config: Config, offload: Optional[OffloadPlan], mesh: Any,
