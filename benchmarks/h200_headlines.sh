@@ -57,7 +57,8 @@ case $part in
   1b-clipped) bench_1b bench_1b_clipped optimizer.clip_grad=1 ;;
   activations)
     # XLA's recompute and copies inside one program run with its layers looped: unrolled (the
-    # config's baseline) they save no memory (advice.unrolled_recompute).
+    # config's baseline) they save no memory (advice.unrolled_recompute). The settings least
+    # measured first: a run cut short has them.
     layers="model.cpu_offloading=True model.cpu_offloading_num_layers=21"
     moved="model.cpu_offloading_double_buffering=True"
     looped="model.scan_layers=True"
@@ -68,12 +69,14 @@ case $part in
       optimizer.optimizer_offload_update_on=host_kernel optimizer.offload_transfer_dtype=bfloat16"
     timeout -k 10 550 python3 -m jaxoffload.bench --config configs/llama_1b.yaml --steps 8 \
       --out "$out/bench_activations" --resume \
-      --settings "baseline again,baseline with its layers scanned" \
-      --setting "full recompute=model.recompute_granularity=full $looped" \
-      --setting "qkv on 21 layers=$layers $looped" --setting "qkv on 21 layers moved=$layers $moved" \
-      --setting "all on 21 layers moved=$layers $moved model.cpu_offloading_policy=all" \
+      --settings "baseline again" \
       --setting "weights of 20 layers moved and updated on the host=$weights $moved $kernel" \
       --setting "the host kernel at 0.81=$kernel" \
+      --setting "all on 21 layers moved=$layers $moved model.cpu_offloading_policy=all" \
+      --setting "qkv on 21 layers moved=$layers $moved" \
+      --setting "baseline with its layers scanned=$looped" \
+      --setting "full recompute=model.recompute_granularity=full $looped" \
+      --setting "qkv on 21 layers=$layers $looped" \
       --setting "weights of 20 layers moved=$weights $moved" \
       --setting "all on 21 layers=$layers model.cpu_offloading_policy=all $looped" \
       --setting "weights of 20 layers=$weights $looped" \
