@@ -111,9 +111,9 @@ class OptimizerConfig:
     optimizer_offload_fraction: with optimizer_cpu_offload (0.0 without it), the share of
       parameter elements whose state is offloaded, in [0.0, 1.0]: whole leaves, those whose
       share lies nearest, the weight-offloaded layers' first (the trainer logs the achieved
-      share); or auto: the least share (in
-      layer-sized steps) whose step fits this machine's device and host memory, compiled
-      from shapes before anything is allocated, on the placement that adds least
+      share); or auto: the least share (in layer-sized steps) whose step fits this
+      machine's device and host memory, compiled from shapes before anything is allocated,
+      on the placement that adds least
       (``python -m jaxoffload.plan --offload-only`` shows the search).
     optimizer_offload_update_on: where offloaded state updates: device (moments
       streamed through the device in chunks), host (XLA's host computation, one core),
