@@ -119,9 +119,9 @@ def plan_offload(params: Any, *, offload_fraction: float = 1.0,
     offload_mask: picks the leaves instead of ``offload_fraction``: a pytree of
       bools with the parameters' structure, or ``fn(path, leaf) -> bool`` where
       ``path`` is the leaf's '/'-joined key path.
-    first: with ``offload_fraction``, leaves (picked as ``offload_mask`` picks) taken
-      before any other: those whose weights live in host memory already, whose update
-      then stays there.
+    first: with ``offload_fraction``, leaves (picked as ``offload_mask`` picks) offered
+      before any other, each taken while it fits the share: those whose weights live in
+      host memory already, whose update then stays there.
 
   Returns:
     An ``OffloadPlan``; ``print(plan)`` shows the achieved share.
