@@ -12,8 +12,9 @@
 #   activations the 1.1B shape's activations: full recompute, and all but one layer sending
 #               `qkv` or `all` to the host (moved by XLA in the looped program and by the
 #               trainer), and the weights of all but two layers kept on the host (inside the
-#               looped program, and a program per layer, updated by the device or beside them
-#               by the host kernel), against saving everything (unrolled and looped)
+#               looped program, and a program per layer, updated by the device a layer at a
+#               time or beside them by the host kernel), against saving everything (unrolled
+#               and looped)
 #   plan        the planner on the 8B shape (its time, and no XLA log line in its output), and
 #               the GPU tests
 #   import      the 8B Hugging Face import (run N's command), trained 3 steps and exported
@@ -70,14 +71,14 @@ case $part in
     timeout -k 10 550 python3 -m jaxoffload.bench --config configs/llama_1b.yaml --steps 8 \
       --out "$out/bench_activations" --resume \
       --settings "baseline again" \
+      --setting "weights of 20 layers moved=$weights $moved" \
+      --setting "qkv on 21 layers moved=$layers $moved" \
+      --setting "all on 21 layers moved=$layers $moved model.cpu_offloading_policy=all" \
       --setting "weights of 20 layers moved and updated on the host=$weights $moved $kernel" \
       --setting "the host kernel at 0.81=$kernel" \
-      --setting "all on 21 layers moved=$layers $moved model.cpu_offloading_policy=all" \
-      --setting "qkv on 21 layers moved=$layers $moved" \
       --setting "baseline with its layers scanned=$looped" \
       --setting "full recompute=model.recompute_granularity=full $looped" \
       --setting "qkv on 21 layers=$layers $looped" \
-      --setting "weights of 20 layers moved=$weights $moved" \
       --setting "all on 21 layers=$layers model.cpu_offloading_policy=all $looped" \
       --setting "weights of 20 layers=$weights $looped" \
       optimizer.clip_grad=0 > "$out/bench_activations.log" 2>&1

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from jaxoffload import plan_offload
-from jaxoffload.train import Trainer, load_config, overlap, resolve, train, weights
+from jaxoffload.train import (Trainer, load_config, offloaded_layers, overlap, resolve, train,
+                              weights)
 from tests.helpers import HOST_KERNEL, QUIET, max_rel_diff
 
 STEPS = 5
@@ -276,7 +277,7 @@ def test_the_state_of_weights_in_pinned_host_is_the_first_a_fraction_offloads():
 def test_offloaded_weights_come_over_for_each_program_that_reads_them(monkeypatch):
   weights = ["model.cpu_offloading=True", "model.cpu_offloading_num_layers=2",
              "model.cpu_offloading_weights=True", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
-  to_device = overlap.layer_to_device
+  to_device = offloaded_layers.layer_to_device
 
   def trained(overrides):
     """The parameters after two steps, with what came over: each layer sent (its index,
@@ -290,7 +291,7 @@ def test_offloaded_weights_come_over_for_each_program_that_reads_them(monkeypatc
       sent.append((index, stack.sharding.memory_kind, layer.sharding.memory_kind))
       return layer
 
-    monkeypatch.setattr(overlap, "layer_to_device", send)
+    monkeypatch.setattr(offloaded_layers, "layer_to_device", send)
     if setup.runs_per_layer:
       piece = trainer.overlapped.piece
       jitted = piece.fetch
@@ -325,3 +326,36 @@ def test_offloaded_weights_come_over_for_each_program_that_reads_them(monkeypatc
   assert [f for f in fetches if f[0] == "layers_2_4"] == 2 * [("layers_2_4", 0),
                                                               ("layers_2_4", 1)]
   assert not any(name == "layers_0_2" for name, _ in fetches)
+
+
+@SLOW
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (the CPU backend has them in CI)")
+@pytest.mark.parametrize("micro_batches", [[], ["train.micro_batch_size=2"]],
+                         ids=["one-micro-batch", "four-micro-batches"])
+def test_unclipped_offloaded_weights_update_a_layer_at_a_time_as_in_one_program(
+    monkeypatch, micro_batches):
+  weights = ["model.cpu_offloading=True", "model.cpu_offloading_num_layers=2",
+             "model.cpu_offloading_weights=True", "optimizer.clip_grad=0", "mesh.data=2",
+             "mesh.fsdp=2", "mesh.tensor=2", *micro_batches]
+  written, write = [], offloaded_layers._write
+  monkeypatch.setattr(offloaded_layers, "_write", lambda stack, index, layer: (
+      written.append((index, stack.sharding.memory_kind, layer.sharding.memory_kind)),
+      write(stack, index, layer)))
+
+  def trained(overrides):
+    setup = resolve(load_config(None, [*weights, *overrides]))
+    trainer = Trainer(setup)
+    losses = [trainer.step(setup.global_batch(i))[0] for i in range(3)]
+    return trainer, losses, trainer.checkpoint()
+
+  _, losses, one_program = trained([])  # Its update moves the whole group.
+  trainer, per_layer_losses, state = trained(["train.per_layer_step=True"])
+  assert trainer.overlapped.piece.updated_by_layer == {"layers_0_2"}
+  np.testing.assert_allclose(per_layer_losses, losses, rtol=1e-6)
+  for name in ("params", "mu", "nu"):
+    assert max_rel_diff(state[name], one_program[name]) <= 1e-6, name
+  assert {x.sharding.memory_kind for x in jax.tree.leaves(state["params"]["layers_0_2"])} == {
+      "pinned_host"}
+  # Each step writes each layer's leaves back into their stacks, the last layer first.
+  leaves = len(jax.tree.leaves(one_program["params"]["layers_0_2"]))
+  assert written == 3 * [(i, "pinned_host", "pinned_host") for i in (1, 0) for _ in range(leaves)]

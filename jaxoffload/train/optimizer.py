@@ -26,7 +26,7 @@ from jaxoffload.train.resolve import Setup
 def optimizer(setup: Setup) -> optax.GradientTransformation:
   """Clipped AdamW on the schedule; its state partly in host memory with optimizer offload."""
   o = setup.config.optimizer
-  hyper = dict(b1=o.adam_beta1, b2=o.adam_beta2, eps=o.adam_eps, weight_decay=o.weight_decay)
+  hyper = _adamw_hyperparameters(setup)
   compact = setup.compact_moments
   mu_dtype, nu_dtype = setup.moment_dtypes
   if setup.host_kernel:
@@ -35,7 +35,7 @@ def optimizer(setup: Setup) -> optax.GradientTransformation:
     device_adamw = (jaxoffload.offload_adamw(setup.schedule, **hyper, offload_fraction=0.0,
                                              mu_dtype=mu_dtype, nu_dtype=nu_dtype,
                                              stochastic_rounding=True) if compact
-                    else optax.adamw(setup.schedule, **hyper))
+                    else plain_adamw(setup))
     adamw = optax.masked(device_adamw, on_device)
   elif setup.offload is not None or compact:
     # With no offload, an empty mask: offload_adamw is optax.adamw with moment dtypes.
@@ -47,10 +47,22 @@ def optimizer(setup: Setup) -> optax.GradientTransformation:
         overlap_transfers=bool(o.overlap_cpu_optimizer_d2h_h2d), mu_dtype=mu_dtype,
         nu_dtype=nu_dtype, stochastic_rounding=compact, shardings=setup.param_shardings)
   else:
-    adamw = optax.adamw(setup.schedule, **hyper)
+    adamw = plain_adamw(setup)
   # The same state with or without clipping: a checkpoint resumes under either.
   clip = optax.clip_by_global_norm(o.clip_grad) if setup.clips_gradients else optax.identity()
   return optax.chain(clip, adamw)
+
+
+def plain_adamw(setup: Setup) -> optax.GradientTransformation:
+  """``optax.adamw`` on the schedule with the config's hyperparameters: what the device
+  optimizer applies to its leaves with float32 moments, a whole leaf or a layer of it at
+  a time (``train.layer_update``)."""
+  return optax.adamw(setup.schedule, **_adamw_hyperparameters(setup))
+
+
+def _adamw_hyperparameters(setup: Setup) -> dict:
+  o = setup.config.optimizer
+  return dict(b1=o.adam_beta1, b2=o.adam_beta2, eps=o.adam_eps, weight_decay=o.weight_decay)
 
 
 def host_adamw(setup: Setup, weights: list[jax.Array]) -> HostAdamW:

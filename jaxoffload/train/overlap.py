@@ -39,9 +39,9 @@ come back while the layer above runs its backward program, unless the link is st
 behind (``train.moved``).
 
 A group whose weights live in pinned_host (``model.cpu_offloading_weights``) brings a layer
-over for each program that reads it, forward and backward, by the runtime's transfer, sent
-a program ahead (``moved.layer_to_device``); the host kernel's leaves once their held update
-is applied.
+over for each program that reads it, forward and backward, sent a program ahead; unclipped,
+the device's AdamW updates it a layer at a time in the backward pass
+(``train.offloaded_layers``).
 """
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ from jaxoffload import layered
 from jaxoffload._compat import PINNED_HOST
 from jaxoffload.host_offload import HostAdamW
 from jaxoffload.train.held_bytes import HeldBytes
-from jaxoffload.train.moved import Moves, layer_to_device, placed
+from jaxoffload.train.moved import Moves, placed
+from jaxoffload.train.offloaded_layers import OffloadedLayers
 from jaxoffload.train.pieces import PiecePrograms
 from jaxoffload.train.programs import StepPrograms
 
@@ -79,7 +80,7 @@ class _Step(NamedTuple):
   sums: dict  # Per piece, its gradients' sums over the micro-batches so far.
   step: Any  # The update's count, which salts the sums' rounding; None for one micro-batch.
   moves: Moves  # The moved layers' activations.
-  ahead: dict  # Per layer of a weight-offloaded group, its leaves on their way over.
+  layers: OffloadedLayers  # The weight-offloaded groups' layers.
 
 
 class OverlappedStep:
@@ -155,7 +156,8 @@ class OverlappedStep:
     moved activations through ``moves``."""
     n = self.piece.micro_batches
     step = run("count", self.piece.count, (), opt_state) if n > 1 else None
-    this = _Step(device_leaves, host_params, tokens, run, host, {}, {}, step, moves, {})
+    layers = OffloadedLayers(self.piece, device_leaves, host_params, host, run, opt_state, step)
+    this = _Step(device_leaves, host_params, tokens, run, host, {}, {}, step, moves, layers)
     loss = None
     for micro in range(n - 1):  # Their gradients go into the sums.
       loss = self._add_micro_batch(this, micro, loss)
@@ -176,8 +178,11 @@ class OverlappedStep:
       self._backward_pass(this, saved, dx, embed_pullback, shared_embed, n - 1,
                           lambda grads, index: give(self._collect(grads, squares, device_grads,
                                                                   index)))
+      # The groups updated a layer at a time stay out of it (``PiecePrograms.update``).
       device_leaves, opt_state, loss, grad_norm, clip_factor = run(
-          "update", self.piece.update, (), device_leaves, opt_state, loss, device_grads, squares)
+          "update", self.piece.update, (), layers.taken_out(device_leaves),
+          layers.with_moments(opt_state), loss, device_grads, squares)
+      device_leaves = layers.finish(device_leaves)
     except BaseException as error:  # The thread must not wait for what never comes.
       if host is not None:
         host.cancel_held(error)
@@ -239,10 +244,12 @@ class OverlappedStep:
         # No more of the host's gradients ahead of its update than this: the device waits
         # rather than fill host memory with a whole step's.
         this.host.wait_for_room(GRADIENT_BYTES_AHEAD)
+      weights = self._weights(this, name, index, release=last, forward=False)
       dx, grads = this.run(f"backward {name} {stage}", self.piece.backward[adds], (name, last),
-                           *self._weights(this, name, index, release=last, forward=False),
-                           np.int32(index), x, kept, dx, sums.pop((name, index), None),
-                           this.step, np.int32(micro))
+                           *weights, np.int32(index), x, kept, dx,
+                           sums.pop((name, index), None), this.step, np.int32(micro))
+      if last:
+        grads = this.layers.update(name, index, weights[0], grads)
       self._file(grads, index, sums, give)
     self._file(this.run(f"embed backward {stage}", self.piece.embed_backward[adds], (last,),
                         embed_pullback, dx, shared_embed,
@@ -269,9 +276,9 @@ class OverlappedStep:
     """Piece ``(name, index)``'s device leaves and its host kernel leaves on the device, cut
     to the layer: brought over, once its held update is applied, by the first micro-batch
     that reads them, and let go (``release``) by the last micro-batch's last program that
-    reads them; a weight-offloaded group's, by each program (``_offloaded_layer``)."""
+    reads them; a weight-offloaded group's, by each program (``OffloadedLayers.get``)."""
     if name in self.piece.weights_offloaded:
-      return self._offloaded_layer(this, name, index, forward)
+      return this.layers.get(name, index, forward)
     key = (name, index)
     if key not in this.fetched:
       # Only a forward program applies: by a backward program the update held is this
@@ -284,28 +291,6 @@ class OverlappedStep:
                            if leaves else [])
     fetched = this.fetched.pop(key) if release else this.fetched[key]
     return [this.device_leaves[i] for i in self.piece.device_ids.get(name, [])], fetched
-
-  def _offloaded_layer(self, this: _Step, name: str, index: int, forward: bool
-                       ) -> tuple[list, list]:
-    """Layer ``index`` of weight-offloaded group ``name`` on the device (its device leaves
-    and its host kernel leaves), and the next program's layer (the one above going
-    forward, below going backward) sent after it, to come over while this one's program
-    runs."""
-    layer = this.ahead.pop((name, index), None) or self._send(this, name, index, forward)
-    group = self.piece.layer_groups[name]
-    following = index + 1 if forward else index - 1
-    if 0 <= following < group.stop - group.start:
-      this.ahead[(name, following)] = self._send(this, name, following, forward)
-    return layer
-
-  def _send(self, this: _Step, name: str, index: int, forward: bool) -> tuple[list, list]:
-    """Starts layer ``index`` of weight-offloaded group ``name`` to the device: its device
-    leaves and, going forward once its held update is applied, its host kernel leaves."""
-    if this.host is not None and forward:
-      this.host.apply_held(self.piece.host_pieces(name, index))
-    send = lambda leaves, ids: [layer_to_device(leaves[i], index) for i in ids]
-    return (send(this.device_leaves, self.piece.device_ids.get(name, [])),
-            send(this.host_params, self.piece.host_ids.get(name, [])))
 
   @staticmethod
   def _take(sums: dict, names: tuple) -> Any:

@@ -23,6 +23,8 @@ from jaxoffload import layered, remat
 from jaxoffload._compat import DEVICE_KIND, to_device
 from jaxoffload.model import group_name
 from jaxoffload.train.grads import add_to_sum, micro_batch
+from jaxoffload.train.offloaded_layers import adamw_layer, moments_of, updates_layers, with_moments
+from jaxoffload.train.optimizer import plain_adamw
 from jaxoffload.train.programs import StepPrograms, step_count
 
 
@@ -64,6 +66,12 @@ class PiecePrograms:
       self.is_host.setdefault(name, []).append(host)
       (self.host_ids if host else self.device_ids).setdefault(name, []).append(counts[host])
       counts[host] += 1
+    # Each device optimizer leaf's position among all the parameter leaves.
+    self.device_positions = [i for i, host in enumerate(programs.is_host) if not host]
+    # Weight-offloaded groups whose backward pass updates them a layer at a time
+    # (``train.offloaded_layers``).
+    self.updated_by_layer = {name for name in self.weights_offloaded
+                             if updates_layers(setup, self.is_host[name])}
     self.wire = setup.transfer_dtypes
     # Where each host kernel leaf's gradient goes: cut as its weights (a layer's, as a layer
     # of them), so that each shard meets the shard of weights it updates.
@@ -95,6 +103,9 @@ class PiecePrograms:
                            for adds in (True, False)}
     self.update = jax.jit(self._apply_update, donate_argnums=(0, 1),
                           out_shardings=programs.update_shardings)
+    self.layer_update = jax.jit(
+        lambda name, *args: adamw_layer(plain_adamw(setup), *args), static_argnums=0,
+        donate_argnums=(3, 4))
 
   def host_pieces(self, name: str, index: Any = None) -> list[tuple[int, Any]]:
     """The host kernel's pieces of parameter ``name`` (layer ``index`` of a group's)."""
@@ -192,19 +203,39 @@ class PiecePrograms:
     return {layered.EMBED: self._finish(layered.EMBED, grads, sums, step, micro, last)}
 
   def _apply_update(self, device_leaves, opt_state, loss_sum, device_grads, squares):
-    """The device optimizer's update, with the global norm that both parts' gradients make
-    (the gradients are the micro-batches' mean already)."""
+    """The device optimizer's update, with the global norm that every leaf's gradients make
+    (the gradients are the micro-batches' mean already; ``squares``: the sums of the
+    squares of those it is not given). The groups updated a layer at a time come as None,
+    and so go: they stand in for the norm as the host kernel's leaves do, and their
+    moments leave as they came."""
     grads = [None] * len(device_leaves)
     for name, parts in device_grads.items():
-      if name in self.layer_groups:  # A program per layer, the last layer first.
+      if name in self.layer_groups and name not in self.updated_by_layer:
+        # A program per layer, the last layer first.
         leaves = [jnp.stack(layers) for layers in zip(*reversed(parts))]
-      else:
+      elif name not in self.layer_groups:
         (leaves,) = parts
+      else:
+        continue
       for position, g in zip(self.device_ids.get(name, []), leaves):
         grads[position] = g
-    return self.programs.apply_sums(device_leaves, opt_state,
-                                    (loss_sum / self.micro_batches, grads), sum(squares),
-                                    count=1)
+    taken = [i for name in self.updated_by_layer for i in self.device_ids[name]]
+    if not taken:
+      return self.programs.apply_sums(device_leaves, opt_state,
+                                      (loss_sum / self.micro_batches, grads), sum(squares),
+                                      count=1)
+    stand_ins = iter([jnp.sqrt(sum(squares))] + [jnp.zeros(())] * len(taken))
+    for i in taken:
+      grads[i], device_leaves[i] = next(stand_ins), jnp.zeros(())
+    positions = [self.device_positions[i] for i in taken]
+    moments = moments_of(opt_state, self.programs.treedef, positions)
+    new_leaves, new_state, *rest = self.programs.apply_sums(
+        device_leaves, opt_state, (loss_sum / self.micro_batches, grads), jnp.zeros(()),
+        count=1)
+    for i in taken:
+      new_leaves[i] = None
+    return (new_leaves, with_moments(new_state, self.programs.treedef, positions, *moments),
+            *rest)
 
 
 def _kept_on_device(group: remat.LayerGroup) -> remat.LayerGroup:
