@@ -24,6 +24,7 @@ from jaxoffload.memory import available, offloaded_activation_bytes, parse_bytes
 from jaxoffload.train import checkpoints, host_checkpoint, levers
 from jaxoffload.train import weights as weights_
 from jaxoffload.train.config import ConfigError
+from jaxoffload.train.offloaded_layers import COPIES_WRITTEN_BACK, groups_updated_by_layer
 from jaxoffload.train.overlap import GRADIENT_BYTES_AHEAD
 from jaxoffload.train.resolve import Setup
 
@@ -139,6 +140,7 @@ def _state(setup: Setup, elements_of) -> tuple[dict[str, int], int, float]:
   shapes, shardings = jax.tree.leaves(setup.param_shapes), jax.tree.leaves(setup.param_shardings)
   offloaded = setup.offload.offloaded if setup.offload else (False,) * len(shapes)
   layers = {group_name(g): g.stop - g.start for g in setup.groups}
+  by_layer = groups_updated_by_layer(setup)
   grads_by_piece: dict[str, float] = {}  # Per program's pieces: one layer's, or the rest's.
   fetched = jax.tree.leaves(setup.fetched_by_model)
   held = dict.fromkeys(PARTS[:-2], 0)
@@ -175,9 +177,13 @@ def _state(setup: Setup, elements_of) -> tuple[dict[str, int], int, float]:
     if off:
       held["optimizer state"] += int(elements * moment_bytes)
       pinned += int(elements * moment_bytes)
-    if fetch:  # And their gradients, which arrive in host memory.
-      held["offloaded weights"] += 2 * elements * shape.dtype.itemsize
-      pinned += 2 * elements * shape.dtype.itemsize
+    if fetch:
+      # And their new values, which arrive in host memory beside them: the whole leaf's, or
+      # where the backward pass updates a layer at a time, the few layers on their way back.
+      name = leaf_path(path).split("/")[0]
+      copies = 1 + (COPIES_WRITTEN_BACK / layers[name] if name in by_layer else 1)
+      held["offloaded weights"] += int(copies * elements * shape.dtype.itemsize)
+      pinned += int(copies * elements * shape.dtype.itemsize)
     saved += elements * checkpointed
   if setup.overlaps_host_update and not setup.clips_gradients:
     # Consumed as they come (train.overlap): the head's and the embedding's, a layer's, and

@@ -6,7 +6,7 @@ A layer comes over by the runtime's own transfer (``moved.layer_to_device``), is
 program ahead of the program that reads it, forward and backward.
 
 Unclipped, the update of a layer needs nothing from the rest of the step: where the
-device's AdamW holds a group (float32 moments, not streamed; ``updates_layers``), the last
+device's AdamW holds a group (float32 moments, not streamed; ``groups_updated_by_layer``), the last
 micro-batch's backward pass updates each of its layers as its gradients are made, from the
 layer already on the device for its backward program, and the new layer goes back to its
 stack in pinned_host beside the next layer's program (a copy out, then into the stack's
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import itertools
 from typing import Any, Callable, Optional
 
 import jax
@@ -37,15 +38,26 @@ from optax import tree_utils as otu
 from jaxoffload import layered, rounding, tensor_files
 from jaxoffload._compat import PINNED_HOST
 from jaxoffload.host_adam import writable_view
-from jaxoffload.train.moved import layer_to_device, placed, wait_for
+from jaxoffload.model import group_name
+from jaxoffload.train.moved import PROGRAMS_AHEAD, layer_to_device, placed, wait_for
+
+# How many layers' new weights may be in pinned_host beside their stack, on their way into
+# it: the layer being written and those its copy is behind (the dispatching thread, kept
+# within ``moved.PROGRAMS_AHEAD`` programs of the device, waits beyond that).
+COPIES_WRITTEN_BACK = PROGRAMS_AHEAD + 1
 
 
-def updates_layers(setup: Any, is_host: list[bool]) -> bool:
-  """Whether a weight-offloaded group whose leaves are ``is_host`` (the host kernel's or not)
-  is updated a layer at a time in its backward pass: unclipped, by the device's own
-  ``optax.adamw`` (float32 moments in device memory)."""
-  return (not setup.clips_gradients and not setup.compact_moments and not any(is_host)
-          and (setup.offload is None or setup.host_kernel))
+def groups_updated_by_layer(setup: Any) -> set[str]:
+  """The weight-offloaded groups that a step a program per layer updates a layer at a time in
+  its backward pass: unclipped, those the device's own ``optax.adamw`` holds (float32
+  moments in device memory, none of their leaves the host kernel's)."""
+  if (not setup.runs_per_layer or setup.clips_gradients or setup.compact_moments
+      or setup.offload is not None and not setup.host_kernel):
+    return set()
+  kernel = setup.offload.offloaded if setup.host_kernel else itertools.repeat(False)
+  paths, _ = jax.tree_util.tree_flatten_with_path(setup.param_shapes)
+  return ({group_name(g) for g in setup.groups if g.offload_weights}
+          - {path[0].key for (path, _), host in zip(paths, kernel) if host})
 
 
 def adamw_layer(adamw: optax.GradientTransformation, weights: list, grads: list, mu: list,
@@ -90,14 +102,16 @@ def _writer() -> concurrent.futures.ThreadPoolExecutor:
   return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offloaded_layers")
 
 
-def _write(stack: jax.Array, index: int, layer: jax.Array) -> None:
-  """Layer ``index`` of ``stack`` (in pinned_host) overwritten by ``layer`` (in pinned_host),
-  shard by shard, once ``layer``'s copy has ended."""
-  wait_for([layer])
-  sources = {shard.device: shard.data for shard in layer.addressable_shards}
-  tensor_files.copy_blocks([(writable_view(shard.data)[index],
-                             writable_view(sources[shard.device]), False)
-                            for shard in stack.addressable_shards])
+def _write(stacks: list, index: int, layer: list) -> None:
+  """Layer ``index`` of ``stacks`` (in pinned_host) overwritten by ``layer`` (its leaves, in
+  pinned_host), shard by shard, once ``layer``'s copies have ended."""
+  wait_for(layer)
+  copies = []
+  for stack, leaf in zip(stacks, layer):
+    sources = {shard.device: shard.data for shard in leaf.addressable_shards}
+    copies += [(writable_view(shard.data)[index], writable_view(sources[shard.device]), False)
+               for shard in stack.addressable_shards]
+  tensor_files.copy_blocks(copies)
 
 
 class OffloadedLayers:
@@ -164,9 +178,10 @@ class OffloadedLayers:
                                     np.int32(index))
     self._moments[name] = mu, nu
     if isinstance(squares, jax.Array):  # Not while compiling.
+      if len(self._writes) >= COPIES_WRITTEN_BACK - 1:  # No more in pinned_host at once.
+        self._writes[-(COPIES_WRITTEN_BACK - 1)].result()
       stacks = [self.device_leaves[i] for i in self.piece.device_ids[name]]
-      self._writes += [_writer().submit(_write, stack, index, copy)
-                       for stack, copy in zip(stacks, placed(new, PINNED_HOST))]
+      self._writes.append(_writer().submit(_write, stacks, index, placed(new, PINNED_HOST)))
     return {**grads, name: (host, square_sum + squares, [])}
 
   def taken_out(self, device_leaves: list) -> list:

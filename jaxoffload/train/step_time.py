@@ -18,7 +18,8 @@ A step is predicted to take the sum of:
   two thirds); with their weights in pinned_host, each program waits for its layer,
   sent on the same link a program ahead;
 - with weights in pinned_host, the device optimizer's update bringing its leaves
-  of them over and back whole (``offloaded_group_bytes``);
+  of them over and back whole, unless the backward pass updates them a layer at a time
+  (``offloaded_group_bytes``);
 - the device's AdamW on the leaves it keeps: their bytes over the device's
   copy bandwidth, measured alongside;
 - what optimizer offload adds: ``autoplace``'s prices from this machine's
@@ -45,6 +46,7 @@ from jaxoffload.model import group_name
 from jaxoffload.train import rules
 from jaxoffload.train.config import Config
 from jaxoffload.train.moved import PROGRAMS_AHEAD
+from jaxoffload.train.offloaded_layers import groups_updated_by_layer
 from jaxoffload.train.resolve import Setup
 from jaxoffload.train.update_place import price_updates
 
@@ -189,8 +191,10 @@ def offloaded_group_bytes(setup: Setup) -> tuple[int, int]:
   """One device's bytes of the weight-offloaded group: a layer's as it crosses the link to
   each program that reads it (the host kernel's leaves in the dtype the host keeps them
   in), and the whole group's device optimizer leaves, which its update brings over and
-  back."""
+  back (none where the backward pass updates it a layer at a time, each layer going back
+  beside the next one's program: ``offloaded_layers``)."""
   groups = {group_name(g): g.stop - g.start for g in setup.groups if g.offload_weights}
+  by_layer = groups_updated_by_layer(setup)
   offloaded = setup.offload.offloaded if setup.offload else itertools.repeat(False)
   kept_as = iter(setup.weight_transfer_dtypes)
   layer = updated = 0
@@ -201,7 +205,7 @@ def offloaded_group_bytes(setup: Setup) -> tuple[int, int]:
     if path[0].key in groups:
       elements = math.prod(sharding.shard_shape(x.shape))
       layer += elements * dtype.itemsize // groups[path[0].key]
-      updated += 0 if host else elements * x.dtype.itemsize
+      updated += 0 if host or path[0].key in by_layer else elements * x.dtype.itemsize
   return layer, updated
 
 
