@@ -6,12 +6,13 @@ A layer comes over by the runtime's own transfer (``moved.layer_to_device``), is
 program ahead of the program that reads it, forward and backward.
 
 Unclipped, the update of a layer needs nothing from the rest of the step: where the
-device's AdamW holds a group (float32 moments, not streamed; ``groups_updated_by_layer``), the last
-micro-batch's backward pass updates each of its layers as its gradients are made, from the
-layer already on the device for its backward program, and the new layer goes back to its
-stack in pinned_host beside the next layer's program (a copy out, then into the stack's
-bytes on the host's cores). The step's update program leaves the group alone: the group
-never crosses the link whole, as it must where the update needs the global norm first.
+device's AdamW holds a group (float32 moments, not streamed: ``groups_updated_by_layer``),
+the last micro-batch's backward pass updates each of its layers as its gradients are made,
+from the layer already on the device for its backward program, and the new layer goes back
+to its stack in pinned_host beside the next layer's program (a copy out, then into the
+stack's bytes on the host's cores). The step's update program leaves the group alone: the
+group never crosses the link whole, as it must where the update needs the global norm
+first.
 
 Example:
   >>> layers = OffloadedLayers(piece, device_leaves, host_params, host, run, opt_state)
