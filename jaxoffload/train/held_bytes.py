@@ -77,7 +77,12 @@ class HeldBytes:
     sent_ahead = offloaded_group_bytes(piece.programs.setup)[0]
     kept = (sum(self.saved) + sum(self.fetched) + (PROGRAMS_AHEAD + 2) * sent_ahead
             + 2 * max(self.moved, default=0) + 2 * max(sent.values()))
-    grads = _nbytes(jax.tree.leaves(device_leaves))
+    # The device leaves' gradients, but a layer's of a group the backward pass updates a
+    # layer at a time (``train.offloaded_layers``).
+    by_layer = {i: piece.layer_groups[name] for name in piece.updated_by_layer
+                for i in piece.device_ids[name]}
+    grads = sum(_nbytes([x]) // ((by_layer[i].stop - by_layer[i].start) if i in by_layer else 1)
+                for i, x in enumerate(device_leaves))
     if piece.micro_batches == 1:
       return kept + grads
     # Per piece, its sums of every leaf's gradients and its device leaves' gradients.
