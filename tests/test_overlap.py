@@ -286,8 +286,8 @@ def test_offloaded_weights_come_over_for_each_program_that_reads_them(monkeypatc
     trainer = Trainer(setup)
     sent, fetches = [], []
 
-    def send(stack, index):
-      layer = to_device(stack, index)
+    def send(stack, index, views=None):
+      layer = to_device(stack, index, views)
       sent.append((index, stack.sharding.memory_kind, layer.sharding.memory_kind))
       return layer
 
@@ -332,19 +332,27 @@ def test_offloaded_weights_come_over_for_each_program_that_reads_them(monkeypatc
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (the CPU backend has them in CI)")
 @pytest.mark.parametrize("micro_batches", [[], ["train.micro_batch_size=2"]],
                          ids=["one-micro-batch", "four-micro-batches"])
-def test_unclipped_offloaded_weights_update_a_layer_at_a_time_as_in_one_program(
-    monkeypatch, micro_batches):
+def test_unclipped_offloaded_weights_update_a_layer_at_a_time_as_in_one_program(micro_batches):
   weights = ["model.cpu_offloading=True", "model.cpu_offloading_num_layers=2",
              "model.cpu_offloading_weights=True", "optimizer.clip_grad=0", "mesh.data=2",
              "mesh.fsdp=2", "mesh.tensor=2", *micro_batches]
-  written, write = [], offloaded_layers._write
-  monkeypatch.setattr(offloaded_layers, "_write", lambda stacks, index, layer: (
-      written.append((index, {x.sharding.memory_kind for x in [*stacks, *layer]}, len(layer))),
-      write(stacks, index, layer)))
+  written = []  # Per write, (the program, the layer it writes).
 
   def trained(overrides):
     setup = resolve(load_config(None, [*weights, *overrides]))
     trainer = Trainer(setup)
+    if setup.runs_per_layer:
+      piece = trainer.overlapped.piece
+      backward, write = piece.backward[False], piece.write_layer
+
+      def recorded(name, last, *args):
+        if args[-1] is not None:
+          written.append(("backward", int(args[2]), int(args[-1][2])))
+        return backward(name, last, *args)
+
+      piece.backward[False] = recorded
+      piece.write_layer = lambda stacks, layer, index: (
+          written.append(("its own", None, int(index))), write(stacks, layer, index))[1]
     losses = [trainer.step(setup.global_batch(i))[0] for i in range(3)]
     return trainer, losses, trainer.checkpoint()
 
@@ -356,6 +364,6 @@ def test_unclipped_offloaded_weights_update_a_layer_at_a_time_as_in_one_program(
     assert max_rel_diff(state[name], one_program[name]) <= 1e-6, name
   assert {x.sharding.memory_kind for x in jax.tree.leaves(state["params"]["layers_0_2"])} == {
       "pinned_host"}
-  # Each step writes each layer's leaves back into their stacks, the last layer first.
-  leaves = len(jax.tree.leaves(one_program["params"]["layers_0_2"]))
-  assert written == 3 * [(i, {"pinned_host"}, leaves) for i in (1, 0)]
+  # Each step, layer 0's backward program writes layer 1 into the stacks, and a program of
+  # its own layer 0 after it.
+  assert written == 3 * [("backward", 0, 1), ("its own", None, 0)]

@@ -24,7 +24,7 @@ from jaxoffload.memory import available, offloaded_activation_bytes, parse_bytes
 from jaxoffload.train import checkpoints, host_checkpoint, levers
 from jaxoffload.train import weights as weights_
 from jaxoffload.train.config import ConfigError
-from jaxoffload.train.offloaded_layers import COPIES_WRITTEN_BACK, groups_updated_by_layer
+from jaxoffload.train.offloaded_layers import groups_updated_by_layer
 from jaxoffload.train.overlap import GRADIENT_BYTES_AHEAD
 from jaxoffload.train.resolve import Setup
 
@@ -178,12 +178,11 @@ def _state(setup: Setup, elements_of) -> tuple[dict[str, int], int, float]:
       held["optimizer state"] += int(elements * moment_bytes)
       pinned += int(elements * moment_bytes)
     if fetch:
-      # And their new values, which arrive in host memory beside them: the whole leaf's, or
-      # where the backward pass updates a layer at a time, the few layers on their way back.
-      name = leaf_path(path).split("/")[0]
-      copies = 1 + (COPIES_WRITTEN_BACK / layers[name] if name in by_layer else 1)
-      held["offloaded weights"] += int(copies * elements * shape.dtype.itemsize)
-      pinned += int(copies * elements * shape.dtype.itemsize)
+      # And their new values, which the update brings back beside them, unless the backward
+      # pass writes them into the stack a layer at a time.
+      copies = 1 if leaf_path(path).split("/")[0] in by_layer else 2
+      held["offloaded weights"] += copies * elements * shape.dtype.itemsize
+      pinned += copies * elements * shape.dtype.itemsize
     saved += elements * checkpointed
   if setup.overlaps_host_update and not setup.clips_gradients:
     # Consumed as they come (train.overlap): the head's and the embedding's, a layer's, and

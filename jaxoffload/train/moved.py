@@ -33,7 +33,7 @@ cut it out of the stack would run in turn with the compute, the transfer runs be
 from __future__ import annotations
 
 import collections
-from typing import Any
+from typing import Any, Optional
 
 import jax
 
@@ -61,19 +61,29 @@ def layer_sharding(stack_sharding: jax.sharding.NamedSharding) -> jax.sharding.N
                                     memory_kind=DEVICE_KIND)
 
 
-def layer_to_device(stack: Any, index: int) -> Any:
-  """Layer ``index`` of ``stack`` (a group's stacked weights in pinned_host) on the device:
-  each shard's layer sent from a numpy view of its pinned bytes, a transfer that runs beside
-  the device's programs; the shape, while compiling. Its layer axis is never sharded
-  (``sharding.LOGICAL_RULES``)."""
-  sharding = layer_sharding(stack.sharding)
+def pinned_views(stack: Any) -> Optional[list]:
+  """Each shard of ``stack`` (in pinned_host) as its device and a numpy view of its bytes, once
+  the program that wrote them has ended (a step's first layer waits for the last update
+  anyway); None for a shape, while compiling. The views stay valid while ``stack``, or an
+  array it was donated to in place, lives."""
   if not isinstance(stack, jax.Array):
-    return jax.ShapeDtypeStruct(stack.shape[1:], stack.dtype, sharding=sharding)
-  # The transfer reads the bytes behind JAX's back: only once the program that wrote them
-  # (the last step's update) has ended. A step's first layer waits for it anyway.
+    return None
   stack.block_until_ready()
-  layers = [jax.device_put(writable_view(shard.data)[index], shard.device)
-            for shard in stack.addressable_shards]
+  return [(shard.device, writable_view(shard.data)) for shard in stack.addressable_shards]
+
+
+def layer_to_device(stack: Any, index: int, views: Optional[list] = None) -> Any:
+  """Layer ``index`` of ``stack`` (a group's stacked weights in pinned_host) on the device:
+  each shard's layer sent from a numpy view of its pinned bytes (``views``, default
+  ``pinned_views(stack)``), a transfer that runs beside the device's programs; the shape,
+  while compiling. Its layer axis is never sharded (``sharding.LOGICAL_RULES``)."""
+  sharding = layer_sharding(stack.sharding)
+  views = views or pinned_views(stack)
+  if views is None:
+    return jax.ShapeDtypeStruct(stack.shape[1:], stack.dtype, sharding=sharding)
+  # The transfer reads the bytes behind JAX's back, which is why the views wait for the
+  # program that wrote them.
+  layers = [jax.device_put(view[index], device) for device, view in views]
   return jax.make_array_from_single_device_arrays(stack.shape[1:], sharding, layers)
 
 

@@ -8,16 +8,18 @@ program ahead of the program that reads it, forward and backward.
 Unclipped, the update of a layer needs nothing from the rest of the step: where the
 device's AdamW holds a group (float32 moments, not streamed: ``groups_updated_by_layer``),
 the last micro-batch's backward pass updates each of its layers as its gradients are made,
-from the layer already on the device for its backward program, and the new layer goes back
-to its stack in pinned_host beside the next layer's program (a copy out, then into the
-stack's bytes on the host's cores). The step's update program leaves the group alone: the
-group never crosses the link whole, as it must where the update needs the global norm
-first.
+from the layer already on the device for its backward program, and the next layer's
+backward program writes the new layer into its stacks in pinned_host in place (the stacks
+donated to it), so that the copy out runs beside that program's compute; the last layer's
+goes after it, in a program of its own. The step's update program leaves the group alone:
+the group never crosses the link whole, as it must where the update needs the global norm
+first. The sends read each stack through views taken before any write (``moved.pinned_views``).
 
 Example:
   >>> layers = OffloadedLayers(piece, device_leaves, host_params, host, run, opt_state)
   >>> device, fetched = layers.get("layers_0_20", 3, forward=True)
-  >>> grads = layers.update("layers_0_20", 3, device, grads)  # Its backward program's.
+  >>> written = layers.pending("layers_0_20")  # For layer 3's backward program to write.
+  >>> grads = layers.update("layers_0_20", 3, device, grads, stacks)  # That program's.
   >>> device_leaves, opt_state, ... = update(layers.taken_out(device_leaves),
   ...                                      layers.with_moments(opt_state), ...)
   >>> device_leaves = layers.finish(device_leaves)
@@ -25,8 +27,6 @@ Example:
 
 from __future__ import annotations
 
-import concurrent.futures
-import functools
 import itertools
 from typing import Any, Callable, Optional
 
@@ -36,17 +36,10 @@ import numpy as np
 import optax
 from optax import tree_utils as otu
 
-from jaxoffload import layered, rounding, tensor_files
-from jaxoffload._compat import PINNED_HOST
-from jaxoffload.host_adam import writable_view
+from jaxoffload import layered, rounding
+from jaxoffload._compat import to_host
 from jaxoffload.model import group_name
-from jaxoffload.train.moved import PROGRAMS_AHEAD, layer_to_device, placed, wait_for
-
-# How many layers' new weights may be in pinned_host beside their stack, on their way into
-# it: the layer being written and those its copy is behind (the dispatching thread, kept
-# within ``moved.PROGRAMS_AHEAD`` programs of the device, waits beyond that).
-COPIES_WRITTEN_BACK = PROGRAMS_AHEAD + 1
-
+from jaxoffload.train.moved import layer_to_device, pinned_views
 
 def groups_updated_by_layer(setup: Any) -> set[str]:
   """The weight-offloaded groups that a step a program per layer updates a layer at a time in
@@ -97,22 +90,11 @@ def with_moments(opt_state: Any, treedef: Any, positions: list[int], mu: list, n
   return otu.tree_set(opt_state, mu=put("mu", mu), nu=put("nu", nu))
 
 
-@functools.cache
-def _writer() -> concurrent.futures.ThreadPoolExecutor:
-  # One thread: a layer's copy waits for its transfer, then copies on every core.
-  return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offloaded_layers")
-
-
-def _write(stacks: list, index: int, layer: list) -> None:
-  """Layer ``index`` of ``stacks`` (in pinned_host) overwritten by ``layer`` (its leaves, in
-  pinned_host), shard by shard, once ``layer``'s copies have ended."""
-  wait_for(layer)
-  copies = []
-  for stack, leaf in zip(stacks, layer):
-    sources = {shard.device: shard.data for shard in leaf.addressable_shards}
-    copies += [(writable_view(shard.data)[index], writable_view(sources[shard.device]), False)
-               for shard in stack.addressable_shards]
-  tensor_files.copy_blocks(copies)
+def write_layer(stacks: list, layer: list, index: jax.Array) -> list:
+  """``stacks`` (in pinned_host) with layer ``index`` overwritten by ``layer`` (on the
+  device): in place where the stacks are donated."""
+  return [jax.lax.dynamic_update_index_in_dim(stack, to_host(x), index, 0)
+          for stack, x in zip(stacks, layer)]
 
 
 class OffloadedLayers:
@@ -121,7 +103,8 @@ class OffloadedLayers:
 
   Args:
     piece: the step's ``PiecePrograms``.
-    device_leaves, host_params: the device optimizer's leaves and the host kernel's.
+    device_leaves, host_params: the device optimizer's leaves and the host kernel's (an
+      updated group's stacks replaced, in a copy of the list, as programs write them).
     host: the host kernel (None: none, or compiling); its held update of a layer is applied
       before the layer is sent for a forward program.
     run: runs one program (``OverlappedStep``'s).
@@ -132,15 +115,20 @@ class OffloadedLayers:
 
   def __init__(self, piece: Any, device_leaves: list, host_params: list, host: Any,
                run: Callable, opt_state: Any, count: Optional[Any] = None):
-    self.piece, self.device_leaves, self.host_params = piece, device_leaves, host_params
+    self.piece, self.device_leaves, self.host_params = piece, list(device_leaves), host_params
     self.host, self.run = host, run
     self._ahead: dict = {}  # Per layer (group, index), its leaves on their way over.
-    self._writes: list[concurrent.futures.Future] = []
-    # Per updated group, its parameter leaves' positions, moments and stacks.
+    # Per stack sent from (device leaves' or host kernel's, position), its views, taken
+    # before any write; and the stacks they view, alive until the step ends.
+    self._views: dict = {}
+    self._stacks: list = []
+    # Per updated group: its leaves' positions among the parameters, their moments, and
+    # its last updated layer, (index, new weights), until a program writes it.
     self._positions = {name: [piece.device_positions[i] for i in piece.device_ids[name]]
                        for name in piece.updated_by_layer}
     self._moments = {name: moments_of(opt_state, piece.programs.treedef, positions)
                      for name, positions in self._positions.items()}
+    self._pending: dict = {}
     if self._moments and count is None:
       count = run("count", piece.count, (), opt_state)
     self._count = count
@@ -161,29 +149,50 @@ class OffloadedLayers:
     forward once its held update is applied, its host kernel leaves."""
     if self.host is not None and forward:
       self.host.apply_held(self.piece.host_pieces(name, index))
-    send = lambda leaves, ids: [layer_to_device(leaves[i], index) for i in ids]
-    return (send(self.device_leaves, self.piece.device_ids.get(name, [])),
-            send(self.host_params, self.piece.host_ids.get(name, [])))
 
-  def update(self, name: str, index: int, weights: list, grads: dict) -> dict:
+    def send(leaves, ids, kind):
+      for i in ids:
+        if (kind, i) not in self._views:
+          self._views[(kind, i)] = pinned_views(leaves[i])
+          self._stacks.append(leaves[i])
+      return [layer_to_device(leaves[i], index, self._views[(kind, i)]) for i in ids]
+
+    return (send(self.device_leaves, self.piece.device_ids.get(name, []), "device"),
+            send(self.host_params, self.piece.host_ids.get(name, []), "host"))
+
+  def pending(self, name: str) -> Optional[tuple]:
+    """What the next backward program of group ``name`` writes: ``(its stacks, the last
+    updated layer's new weights, its index)``, given up to that program; None if nothing."""
+    if name not in self._pending:
+      return None
+    index, new = self._pending.pop(name)
+    return [self.device_leaves[i] for i in self.piece.device_ids[name]], new, np.int32(index)
+
+  def update(self, name: str, index: int, weights: list, grads: dict,
+             stacks: Optional[list] = None) -> dict:
     """Where group ``name`` is updated a layer at a time: layer ``index``'s update from its
     backward program's ``grads`` (``PiecePrograms.backward``'s) and the ``weights`` it read,
-    and its new weights on their way back to the stacks. Returns ``grads`` with the
-    layer's device gradients taken and their squares added to those the update's global
-    norm counts (``PiecePrograms.update``)."""
+    its new weights kept for the next program to write; ``stacks``: the group's stacks
+    that program wrote (None: it wrote none). Returns ``grads`` with the layer's device
+    gradients taken and their squares added to those the update's global norm counts
+    (``PiecePrograms.update``)."""
     if name not in self._moments:
       return grads
+    self._replace(name, stacks)
     host, square_sum, device = grads[name]
     new, mu, nu, squares = self.run(f"update {name}", self.piece.layer_update, (name,),
                                     weights, device, *self._moments[name], self._count,
                                     np.int32(index))
     self._moments[name] = mu, nu
-    if isinstance(squares, jax.Array):  # Not while compiling.
-      if len(self._writes) >= COPIES_WRITTEN_BACK - 1:  # No more in pinned_host at once.
-        self._writes[-(COPIES_WRITTEN_BACK - 1)].result()
-      stacks = [self.device_leaves[i] for i in self.piece.device_ids[name]]
-      self._writes.append(_writer().submit(_write, stacks, index, placed(new, PINNED_HOST)))
-    return {**grads, name: (host, square_sum + squares, [])}
+    self._pending[name] = index, new
+    if isinstance(squares, jax.Array):  # Not shapes, while compiling.
+      square_sum = square_sum + squares
+    return {**grads, name: (host, square_sum, [])}
+
+  def _replace(self, name: str, stacks: Optional[list]) -> None:
+    if stacks is not None:
+      for i, stack in zip(self.piece.device_ids[name], stacks):
+        self.device_leaves[i] = stack
 
   def taken_out(self, device_leaves: list) -> list:
     """``device_leaves`` as the step's update program takes them: None for the stacks of the
@@ -199,16 +208,13 @@ class OffloadedLayers:
     return opt_state
 
   def finish(self, device_leaves: list) -> list:
-    """Once the step's update program is dispatched: ``device_leaves`` (its outputs) with the
-    updated groups' stacks, once their layers are written."""
-    for write in self._writes:
-      write.result()
+    """After the step's update program: ``device_leaves`` (its outputs) with the updated
+    groups' stacks, their last layers written."""
+    for name in list(self._pending):
+      self._replace(name, self.run(f"write {name}", self.piece.write_layer, (),
+                                   *self.pending(name)))
     device_leaves = list(device_leaves)
     for name in self._moments:
       for i in self.piece.device_ids[name]:
-        stack = self.device_leaves[i]
-        # A new array over the same bytes: one that was read may keep what it read.
-        device_leaves[i] = stack if not isinstance(stack, jax.Array) else (
-            jax.make_array_from_single_device_arrays(
-                stack.shape, stack.sharding, [s.data for s in stack.addressable_shards]))
+        device_leaves[i] = self.device_leaves[i]
     return device_leaves

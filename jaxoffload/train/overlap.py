@@ -245,11 +245,14 @@ class OverlappedStep:
         # rather than fill host memory with a whole step's.
         this.host.wait_for_room(GRADIENT_BYTES_AHEAD)
       weights = self._weights(this, name, index, release=last, forward=False)
-      dx, grads = this.run(f"backward {name} {stage}", self.piece.backward[adds], (name, last),
-                           *weights, np.int32(index), x, kept, dx,
-                           sums.pop((name, index), None), this.step, np.int32(micro))
+      # The layer above's new weights, where the backward pass updates the group.
+      written = this.layers.pending(name) if last else None
+      dx, grads, stacks = this.run(
+          f"backward {name} {stage}{' writing' if written else ''}", self.piece.backward[adds],
+          (name, last), *weights, np.int32(index), x, kept, dx, sums.pop((name, index), None),
+          this.step, np.int32(micro), written)
       if last:
-        grads = this.layers.update(name, index, weights[0], grads)
+        grads = this.layers.update(name, index, weights[0], grads, stacks)
       self._file(grads, index, sums, give)
     self._file(this.run(f"embed backward {stage}", self.piece.embed_backward[adds], (last,),
                         embed_pullback, dx, shared_embed,

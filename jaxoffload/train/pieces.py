@@ -24,7 +24,7 @@ from jaxoffload._compat import DEVICE_KIND, to_device
 from jaxoffload.model import group_name
 from jaxoffload.train.grads import add_to_sum, micro_batch
 from jaxoffload.train.offloaded_layers import (adamw_layer, groups_updated_by_layer, moments_of,
-                                               with_moments)
+                                               with_moments, write_layer)
 from jaxoffload.train.optimizer import plain_adamw
 from jaxoffload.train.programs import StepPrograms, step_count
 
@@ -96,7 +96,7 @@ class PiecePrograms:
                                     donate_argnums=(5, 6) if adds else ())
                       for adds in (True, False)}
     self.backward = {adds: jax.jit(self._layer_backward, static_argnums=(0, 1),
-                                   donate_argnums=(7, 8) if adds else (7,))
+                                   donate_argnums=(7, 8, 11) if adds else (7, 11))
                      for adds in (True, False)}
     self.embed_backward = {adds: jax.jit(self._embed_backward_piece, static_argnums=0,
                                          donate_argnums=(4,) if adds else ())
@@ -106,6 +106,7 @@ class PiecePrograms:
     self.layer_update = jax.jit(
         lambda name, *args: adamw_layer(plain_adamw(setup), *args), static_argnums=0,
         donate_argnums=(3, 4))
+    self.write_layer = jax.jit(write_layer, donate_argnums=0)
 
   def host_pieces(self, name: str, index: Any = None) -> list[tuple[int, Any]]:
     """The host kernel's pieces of parameter ``name`` (layer ``index`` of a group's)."""
@@ -188,13 +189,16 @@ class PiecePrograms:
     return (loss if loss_sum is None else loss_sum + loss), dx, shared, {
         name: self._finish(name, g, sums.get(name), step, micro, last) for name, g in grads.items()}
 
-  def _layer_backward(self, name, last, device, fetched, index, x, kept, dy, sums, step, micro):
+  def _layer_backward(self, name, last, device, fetched, index, x, kept, dy, sums, step, micro,
+                      written):
     """The gradients at layer ``index``'s input and of its weights (``_finish``), from the
     same arguments as its forward program (x only where its layout takes it) and what that
-    kept."""
+    kept; and, given ``written`` (``OffloadedLayers.pending``), its stacks with the layer
+    above written, a copy out beside this layer's compute."""
     grads, dx = layered.backward(self.layouts[name], kept,
                                  self._params(name, device, fetched, index), x, dy)
-    return dx, {name: self._finish(name, grads, sums, step, micro, last)}
+    return (dx, {name: self._finish(name, grads, sums, step, micro, last)},
+            written and write_layer(*written))
 
   def _embed_backward_piece(self, last, pullback, dx, shared, sums, step, micro):
     (grads,) = pullback(dx)
