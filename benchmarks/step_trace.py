@@ -9,8 +9,8 @@ and reports, for each traced step (``Trainer.step``, up to the next one's start)
 
 - the step's wall time on the host, and the time in each kind of call worth
   naming (dispatching a program, applying the host kernel's update, waiting
-  for it, XLA's CUDA-graph updates), summed by name: a call inside another
-  counts in both;
+  for it, sending a weight-offloaded layer, XLA's CUDA-graph updates), summed by
+  name: a call inside another counts in both;
 - the outermost of those calls longer than ``--min-ms``, in order, with their
   start in the step (in the JSON);
 - on a GPU, the device's busy time between this step's start and the next's,
@@ -32,7 +32,8 @@ from common import metadata, write_report
 STEP = re.compile(r"step\.py:\d+ step$")
 # Calls that name what the step waits for or dispatches (jax.profiler's Python tracer).
 WORTH_NAMING = re.compile(r"(overlap\.py:\d+ run$| apply_held$| hold$|HostAdamW update|"
-                          r"PjitFunction|command_buffer::update|block_until_ready)")
+                          r"PjitFunction|command_buffer::update|block_until_ready|"
+                          r" layer_to_device$| pinned_views$)")
 
 
 def named_calls(events: list[tuple], start: int, end: int) -> list[tuple]:
