@@ -41,6 +41,7 @@ from jaxoffload._compat import to_host
 from jaxoffload.model import group_name
 from jaxoffload.train.moved import layer_to_device, pinned_views
 
+
 def groups_updated_by_layer(setup: Any) -> set[str]:
   """The weight-offloaded groups that a step a program per layer updates a layer at a time in
   its backward pass: unclipped, those the device's own ``optax.adamw`` holds (float32

@@ -56,7 +56,7 @@ def optimizer(setup: Setup) -> optax.GradientTransformation:
 def plain_adamw(setup: Setup) -> optax.GradientTransformation:
   """``optax.adamw`` on the schedule with the config's hyperparameters: what the device
   optimizer applies to its leaves with float32 moments, a whole leaf or a layer of it at
-  a time (``train.layer_update``)."""
+  a time (``train.offloaded_layers``)."""
   return optax.adamw(setup.schedule, **_adamw_hyperparameters(setup))
 
 

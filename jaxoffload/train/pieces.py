@@ -214,13 +214,12 @@ class PiecePrograms:
     moments leave as they came."""
     grads = [None] * len(device_leaves)
     for name, parts in device_grads.items():
-      if name in self.layer_groups and name not in self.updated_by_layer:
-        # A program per layer, the last layer first.
-        leaves = [jnp.stack(layers) for layers in zip(*reversed(parts))]
-      elif name not in self.layer_groups:
-        (leaves,) = parts
-      else:
+      if name in self.updated_by_layer:  # Their gradients went to their layers' updates.
         continue
+      if name in self.layer_groups:  # A program per layer, the last layer first.
+        leaves = [jnp.stack(layers) for layers in zip(*reversed(parts))]
+      else:
+        (leaves,) = parts
       for position, g in zip(self.device_ids.get(name, []), leaves):
         grads[position] = g
     taken = [i for name in self.updated_by_layer for i in self.device_ids[name]]
