@@ -27,6 +27,8 @@
 #               (exact), and with bfloat16 moments
 #   8b-shipped  configs/llama_8b_offload.yaml as shipped (auto placement) against its best
 #               hand-set placement, clipped and unclipped
+#   weights-trace  the 1.1B shape with the weights of 20 layers moved (unclipped, updated a
+#               layer at a time), two steps traced: where the step waits (step_trace.py)
 # Writes OUT/NAME.{json,md,log}; no environment variable is set by hand.
 set -u
 part=${1:?usage: h200_headlines.sh PART OUT}
@@ -137,6 +139,15 @@ case $part in
       data.dataset=synthetic > "$out/bench_8b_shipped.log" 2>&1
     echo "bench_8b_shipped: exit $?"
     ;;
-  *) echo "unknown part $part: 1b, 1b-clipped, activations, plan, import, 13b, largest, 8b or 8b-shipped" >&2
+  weights-trace)
+    timed train_weights_traced 300 python3 -m jaxoffload.train --config configs/llama_1b.yaml \
+      model.cpu_offloading=True model.cpu_offloading_num_layers=20 \
+      model.cpu_offloading_weights=True model.cpu_offloading_double_buffering=True \
+      optimizer.clip_grad=0 train.train_iters=8 logging.progress_bar=False \
+      logging.profile_dir="$out/trace" logging.profile_start_step=5 logging.profile_steps=2
+    timed step_trace 120 python3 benchmarks/step_trace.py "$out/trace" --out "$out/step_trace"
+    ;;
+  *) echo "unknown part $part: 1b, 1b-clipped, activations, plan, import, 13b, largest, 8b," \
+       "8b-shipped or weights-trace" >&2
      exit 2 ;;
 esac
