@@ -27,8 +27,10 @@
 #               (exact), and with bfloat16 moments
 #   8b-shipped  configs/llama_8b_offload.yaml as shipped (auto placement) against its best
 #               hand-set placement, clipped and unclipped
-#   weights-trace  the 1.1B shape with the weights of 20 layers moved (unclipped, updated a
-#               layer at a time), two steps traced: where the step waits (step_trace.py)
+#   weights-trace  the 1.1B shape with the weights of 20 layers moved, unclipped: updated a
+#               layer at a time, and the group's update whole (clipped at a norm no step
+#               reaches), against saving everything; then the first two steps traced: where
+#               the step waits (step_trace.py)
 # Writes OUT/NAME.{json,md,log}; no environment variable is set by hand.
 set -u
 part=${1:?usage: h200_headlines.sh PART OUT}
@@ -140,10 +142,16 @@ case $part in
     echo "bench_8b_shipped: exit $?"
     ;;
   weights-trace)
-    timed train_weights_traced 300 python3 -m jaxoffload.train --config configs/llama_1b.yaml \
-      model.cpu_offloading=True model.cpu_offloading_num_layers=20 \
-      model.cpu_offloading_weights=True model.cpu_offloading_double_buffering=True \
-      optimizer.clip_grad=0 train.train_iters=8 logging.progress_bar=False \
+    weights="model.cpu_offloading=True model.cpu_offloading_num_layers=20
+      model.cpu_offloading_weights=True model.cpu_offloading_double_buffering=True"
+    timeout -k 10 380 python3 -m jaxoffload.bench --config configs/llama_1b.yaml --steps 8 \
+      --out "$out/bench_weights" --resume --settings "" \
+      --setting "weights of 20 layers moved=$weights" \
+      --setting "the same, the group's update whole=$weights optimizer.clip_grad=1e6" \
+      optimizer.clip_grad=0 > "$out/bench_weights.log" 2>&1
+    echo "bench_weights: exit $?"
+    timed train_weights_traced 150 python3 -m jaxoffload.train --config configs/llama_1b.yaml \
+      $weights optimizer.clip_grad=0 train.train_iters=7 logging.progress_bar=False \
       logging.profile_dir="$out/trace" logging.profile_start_step=5 logging.profile_steps=2
     timed step_trace 120 python3 benchmarks/step_trace.py "$out/trace" --out "$out/step_trace"
     ;;
