@@ -105,9 +105,11 @@ def test_where_no_float32_state_fits_the_planner_proposes_compact_moments(compil
                                                                            monkeypatch):
   monkeypatch.setattr(search, "host_rss_bytes", lambda: 10**9)  # What the process holds: fixed.
   config = load_config(None, ["optimizer.optimizer_cpu_offload=True"])
-  # The device holds the parameters alone: only every moment offloaded fits it.
+  # The device holds the parameters alone: only every moment offloaded fits it. (The host
+  # kernel's placement named: auto's choice would follow a live probe of this machine.)
   offloaded = resolve(load_config(None, ["optimizer.optimizer_cpu_offload=True",
-                                         "optimizer.optimizer_offload_fraction=1.0"]))
+                                         "optimizer.optimizer_offload_fraction=1.0",
+                                         "optimizer.optimizer_offload_update_on=host_kernel"]))
   device = int((resident_device_bytes(Trainer.from_shapes(offloaded)) + TEMPORARIES) / 0.95) + 1
   search_ = lambda host, compact: plan.plan(config, plan.Budgets(device=device, host=host),
                                             explore=False, compact=compact, machine=MACHINE)
