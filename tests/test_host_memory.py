@@ -15,7 +15,6 @@ from jaxoffload.train.resolve import variant
 from jaxoffload.train import host_checkpoint
 from jaxoffload.memory import _read_keyed
 from jaxoffload.train.host_memory import available, check, needed
-from jaxoffload.train.offloaded_layers import groups_updated_by_layer
 from jaxoffload.train.step_time import offloaded_group_bytes
 
 OFFLOAD = ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=1.0",
@@ -72,12 +71,12 @@ def test_weights_updated_a_layer_at_a_time_hold_nothing_beside_their_stack():
              "train.per_layer_step=True"]
   unclipped = resolve(load_config(None, [*weights, "optimizer.clip_grad=0"]))
   stack = pinned_shard_bytes(Trainer(unclipped).params)
-  assert groups_updated_by_layer(unclipped) == {"layers_0_2"}
+  assert unclipped.weights_updated_by_layer == {"layers_0_2"}
   assert needed(unclipped).held["offloaded weights"] == stack  # Written into it in place.
   assert offloaded_group_bytes(unclipped)[1] == 0  # Nothing crosses whole for the update.
   # Clipped, the update needs the global norm first: the whole group over and back.
   clipped = variant(unclipped, override(unclipped.config, ["optimizer.clip_grad=1"]))
-  assert groups_updated_by_layer(clipped) == set()
+  assert clipped.weights_updated_by_layer == set()
   assert needed(clipped).held["offloaded weights"] == 2 * stack
   assert offloaded_group_bytes(clipped)[1] == stack
 

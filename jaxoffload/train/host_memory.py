@@ -24,7 +24,6 @@ from jaxoffload.memory import available, offloaded_activation_bytes, parse_bytes
 from jaxoffload.train import checkpoints, host_checkpoint, levers
 from jaxoffload.train import weights as weights_
 from jaxoffload.train.config import ConfigError
-from jaxoffload.train.offloaded_layers import groups_updated_by_layer
 from jaxoffload.train.overlap import GRADIENT_BYTES_AHEAD
 from jaxoffload.train.resolve import Setup
 
@@ -140,7 +139,7 @@ def _state(setup: Setup, elements_of) -> tuple[dict[str, int], int, float]:
   shapes, shardings = jax.tree.leaves(setup.param_shapes), jax.tree.leaves(setup.param_shardings)
   offloaded = setup.offload.offloaded if setup.offload else (False,) * len(shapes)
   layers = {group_name(g): g.stop - g.start for g in setup.groups}
-  by_layer = groups_updated_by_layer(setup)
+  by_layer = setup.weights_updated_by_layer
   grads_by_piece: dict[str, float] = {}  # Per program's pieces: one layer's, or the rest's.
   fetched = jax.tree.leaves(setup.fetched_by_model)
   held = dict.fromkeys(PARTS[:-2], 0)

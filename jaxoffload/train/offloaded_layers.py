@@ -6,14 +6,15 @@ A layer comes over by the runtime's own transfer (``moved.layer_to_device``), is
 program ahead of the program that reads it, forward and backward.
 
 Unclipped, the update of a layer needs nothing from the rest of the step: where the
-device's AdamW holds a group (float32 moments, not streamed: ``groups_updated_by_layer``),
-the last micro-batch's backward pass updates each of its layers as its gradients are made,
-from the layer already on the device for its backward program, and the next layer's
-backward program writes the new layer into its stacks in pinned_host in place (the stacks
-donated to it), so that the copy out runs beside that program's compute; the last layer's
-goes after it, in a program of its own. The step's update program leaves the group alone:
-the group never crosses the link whole, as it must where the update needs the global norm
-first. The sends read each stack through views taken before any write (``moved.pinned_views``).
+device's AdamW holds a group (float32 moments, not streamed:
+``Setup.weights_updated_by_layer``), the last micro-batch's backward pass updates each of
+its layers as its gradients are made, from the layer already on the device for its backward
+program, and the next layer's backward program writes the new layer into its stacks in
+pinned_host in place (the stacks donated to it), so that the copy out runs beside that
+program's compute; the last layer's goes after it, in a program of its own. The step's
+update program leaves the group alone: the group never crosses the link whole, as it must
+where the update needs the global norm first. The sends read each stack through views
+taken before any write (``moved.pinned_views``).
 
 Example:
   >>> layers = OffloadedLayers(piece, device_leaves, host_params, host, run, opt_state)
@@ -27,7 +28,6 @@ Example:
 
 from __future__ import annotations
 
-import itertools
 from typing import Any, Callable, Optional
 
 import jax
@@ -38,21 +38,7 @@ from optax import tree_utils as otu
 
 from jaxoffload import layered, rounding
 from jaxoffload._compat import to_host
-from jaxoffload.model import group_name
 from jaxoffload.train.moved import layer_to_device, pinned_views
-
-
-def groups_updated_by_layer(setup: Any) -> set[str]:
-  """The weight-offloaded groups that a step a program per layer updates a layer at a time in
-  its backward pass: unclipped, those the device's own ``optax.adamw`` holds (float32
-  moments in device memory, none of their leaves the host kernel's)."""
-  if (not setup.runs_per_layer or setup.clips_gradients or setup.compact_moments
-      or setup.offload is not None and not setup.host_kernel):
-    return set()
-  kernel = setup.offload.offloaded if setup.host_kernel else itertools.repeat(False)
-  paths, _ = jax.tree_util.tree_flatten_with_path(setup.param_shapes)
-  return ({group_name(g) for g in setup.groups if g.offload_weights}
-          - {path[0].key for (path, _), host in zip(paths, kernel) if host})
 
 
 def adamw_layer(adamw: optax.GradientTransformation, weights: list, grads: list, mu: list,

@@ -23,8 +23,7 @@ from jaxoffload import layered, remat
 from jaxoffload._compat import DEVICE_KIND, to_device
 from jaxoffload.model import group_name
 from jaxoffload.train.grads import add_to_sum, micro_batch
-from jaxoffload.train.offloaded_layers import (adamw_layer, groups_updated_by_layer, moments_of,
-                                               with_moments, write_layer)
+from jaxoffload.train.offloaded_layers import adamw_layer, moments_of, with_moments, write_layer
 from jaxoffload.train.optimizer import plain_adamw
 from jaxoffload.train.programs import StepPrograms, step_count
 
@@ -71,7 +70,7 @@ class PiecePrograms:
     self.device_positions = [i for i, host in enumerate(programs.is_host) if not host]
     # Weight-offloaded groups whose backward pass updates them a layer at a time
     # (``train.offloaded_layers``).
-    self.updated_by_layer = groups_updated_by_layer(setup)
+    self.updated_by_layer = setup.weights_updated_by_layer
     self.wire = setup.transfer_dtypes
     # Where each host kernel leaf's gradient goes: cut as its weights (a layer's, as a layer
     # of them), so that each shard meets the shard of weights it updates.

@@ -145,6 +145,20 @@ class Setup:
             or (self.offload is not None and any(self.offload.offloaded)))
 
   @property
+  def weights_updated_by_layer(self) -> frozenset[str]:
+    """The weight-offloaded groups whose backward pass updates them a layer at a time
+    (``train.offloaded_layers``): on the step a program per layer, unclipped, those the
+    device's own ``optax.adamw`` holds (float32 moments in device memory, none of their
+    leaves the host kernel's)."""
+    if (not self.runs_per_layer or self.clips_gradients or self.compact_moments
+        or self.offload is not None and not self.host_kernel):
+      return frozenset()
+    paths, _ = jax.tree_util.tree_flatten_with_path(self.param_shapes)
+    kernel = self.offload.offloaded if self.host_kernel else (False,) * len(paths)
+    return frozenset({group_name(g) for g in self.groups if g.offload_weights}
+                     - {path[0].key for (path, _), host in zip(paths, kernel) if host})
+
+  @property
   def llama(self) -> Llama:
     """The model, its layer groups and its mesh."""
     return Llama(self.model, self.groups, self.mesh)

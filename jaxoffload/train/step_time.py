@@ -46,7 +46,6 @@ from jaxoffload.model import group_name
 from jaxoffload.train import rules
 from jaxoffload.train.config import Config
 from jaxoffload.train.moved import PROGRAMS_AHEAD
-from jaxoffload.train.offloaded_layers import groups_updated_by_layer
 from jaxoffload.train.resolve import Setup
 from jaxoffload.train.update_place import price_updates
 
@@ -194,7 +193,7 @@ def offloaded_group_bytes(setup: Setup) -> tuple[int, int]:
   back (none where the backward pass updates it a layer at a time, each layer going back
   beside the next one's program: ``offloaded_layers``)."""
   groups = {group_name(g): g.stop - g.start for g in setup.groups if g.offload_weights}
-  by_layer = groups_updated_by_layer(setup)
+  by_layer = setup.weights_updated_by_layer
   offloaded = setup.offload.offloaded if setup.offload else itertools.repeat(False)
   kept_as = iter(setup.weight_transfer_dtypes)
   layer = updated = 0
