@@ -10,6 +10,8 @@ from jaxoffload import autoplace, plan
 from jaxoffload.memory import offloaded_activation_bytes
 from jaxoffload.plan import search
 from jaxoffload.train import fit, load_config, resolve, train
+from jaxoffload.train import compiling
+from jaxoffload.train.compiling import Peaks
 from jaxoffload.train.step import CompiledStep, Trainer, resident_device_bytes
 from tests.planning import CALIBRATION, MACHINE, TEMPORARIES, compiled_as_resident  # noqa: F401
 
@@ -39,6 +41,28 @@ def test_the_search_stops_once_the_pick_beats_every_bound(compiled_as_resident):
   assert lines[0].startswith(
       "| activations | micro-batch | update on | gradient sums | moments | offload (achieved) |")
   assert sum("(pick)" in line for line in lines) == 1
+
+
+def test_compiling_ahead_on_several_threads_changes_only_when_steps_compile(
+    compiled_as_resident, monkeypatch):
+  config = load_config(None, ["train.global_batch_size=4", "train.micro_batch_size=4"])
+  state = resident_device_bytes(Trainer.from_shapes(resolve(config)))
+  budgets = plan.Budgets(device=int((state * 0.7 + TEMPORARIES) / 0.95), host=10**12)
+  outcomes, asked = [], {1: [], 3: []}
+  ask = Peaks.ask
+  monkeypatch.setattr(Peaks, "ask", lambda self, key, setup: (asked[self.workers].append(key),
+                                                              ask(self, key, setup))[1])
+  for threads in asked:
+    monkeypatch.setattr(compiling, "workers", lambda: threads)
+    outcomes.append(plan.plan(config, budgets, machine=MACHINE, calibration=CALIBRATION,
+                              log=lambda _: None))
+  # Equal but for the host bytes, which count what the process holds at each search.
+  same = lambda rows: [dataclasses.replace(row, host_bytes=0) for row in rows]
+  assert same([outcomes[0][0]]) == same([outcomes[1][0]])
+  assert same(outcomes[0][1]) == same(outcomes[1][1])
+  # With three threads, steps were asked for ahead of being judged: every step judged with
+  # one, and more.
+  assert set(asked[1]) <= set(asked[3]) and len(asked[3]) > len(asked[1])
 
 
 def test_both_placements_are_tried_where_the_state_alone_fits_but_the_step_does_not(
@@ -195,6 +219,9 @@ class _FakeLadder:
     self.calls.append((self.name, "fit"))
     return self.row(self.times[2], "fits")
 
+  def ask_ahead(self, peaks, *, predicted):  # Compiles nothing: its judgements are given.
+    pass
+
 
 def test_the_search_compiles_best_first_by_bounds_that_tighten_as_it_compiles():
   calls = []
@@ -236,8 +263,9 @@ def test_a_moved_ladders_peak_counts_the_originals_the_link_leaves_on_the_device
   for machine in (MACHINE, dataclasses.replace(MACHINE, device_to_host=1.0, host_to_device=1.0)):
     ladder = fit.Ladder(config, "moved", [], ("device", None), machine, CALIBRATION, 0)
     ladder.least(budgets)
-    ladder.predict(budgets, {})
-    peaks.append(ladder.verify(budgets, {}).device_bytes)
+    with Peaks() as compiled:
+      ladder.predict(budgets, compiled)
+      peaks.append(ladder.verify(budgets, compiled).device_bytes)
   setup = resolve(config)
   each = offloaded_activation_bytes(setup.model, setup.groups, 4, setup.model.seq_length) / 3
   # All three layers' originals held: one beyond the two the compiled step counts.
@@ -261,9 +289,9 @@ def test_a_ladder_compiles_its_most_offload_then_where_that_peak_predicts_a_fit(
   ladder = fit.Ladder(config, "as configured", [], ("device", None), MACHINE, None, 0)
   budgets = fit.Budgets(device=int(peak(ladder.resident_bytes(0) * 0.6) / 0.95), host=10**12)
   assert ladder.least(budgets).verdict == ""
-  device_bytes = {}
-  assert ladder.predict(budgets, device_bytes).verdict == ""  # Predicted, not yet compiled.
-  row = ladder.verify(budgets, device_bytes)
+  with Peaks(threads=1) as peaks:
+    assert ladder.predict(budgets, peaks).verdict == ""  # Predicted, not yet compiled.
+    row = ladder.verify(budgets, peaks)
   least = next(step for step in range(9)
                if peak(ladder.resident_bytes(step)) <= 0.95 * budgets.device)
   assert 0 < least < 8 and row.verdict == "fits" and row.fraction == least / 8

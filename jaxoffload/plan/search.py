@@ -4,6 +4,7 @@ and its table."""
 
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 import jax
@@ -106,12 +107,15 @@ def plan(config: Config, budgets: Budgets, *, explore: bool = True, compact: boo
   """
   baseline = host_rss_bytes() or 0  # What a run holds before its state, as the guard counts.
   log(host_column(baseline))
+  seconds = {"start": time.perf_counter()}
   machine = machine or autoplace.measure_machine(formats=kernel_formats(config))
+  seconds["measuring the link and the host kernel"] = time.perf_counter()
   settings = activation_settings(config) if explore else {"as configured": []}
   sizes = _micro_batch_sizes(config) if explore else [config.train.micro_batch_size]
   if explore and calibration is None:
     with xla_logs.dropped():
       calibration = calibrate([override(config, o) for o in settings.values()], log=log)
+  seconds["the calibration"] = time.perf_counter()
   places = fit.update_places(config, keep=not explore)
 
   def sums(place, size):  # Where the host kernel's leaves' gradients may be summed.
@@ -131,6 +135,10 @@ def plan(config: Config, budgets: Budgets, *, explore: bool = True, compact: boo
     rows += found
     if best is not None:
       break
+  seconds["the search"] = time.perf_counter()
+  marks = list(seconds.items())
+  log(f"planned in {marks[-1][1] - marks[0][1]:.0f} s: " + ", ".join(
+      f"{name} {end - start:.0f} s" for (_, start), (name, end) in zip(marks, marks[1:])))
   return best, rows
 
 

@@ -22,6 +22,7 @@ from jaxoffload.train import host_memory
 from jaxoffload.train.config import Config, ConfigError
 from jaxoffload.train.loading import override
 from jaxoffload.train.resolve import Setup, resolve
+from jaxoffload.train.compiling import Peaks
 from jaxoffload.train.step import Trainer, resident_device_bytes
 from jaxoffload.train.step_time import Calibration, moved_copies, predict_s
 from jaxoffload.train.update_place import candidate_places, kernel_formats
@@ -161,36 +162,44 @@ def search(ladders: list[Ladder], budgets: Budgets) -> tuple[Optional[Candidate]
   fit (``Ladder.predict``: a bound if the prediction errs by no more than that step);
   then the fit itself, compiled there (``Ladder.verify``). The search stops once the
   pick is faster than every bound left; where the device's budget is unknown, nothing
-  is compiled.
+  is compiled. Meanwhile the steps the next ladders in line would compile first are
+  compiled on other threads (``compiling.Peaks``): the outcome is the same.
   """
   rows = {n: ladder.least(budgets) for n, ladder in enumerate(ladders)}
-  device_bytes = {}  # Per setting's overrides, its compiled step's device peak.
   # Per activation setting and placement, the least micro-batch that cannot fit.
   best, too_large = None, {}
   faster = lambda row: row.verdict == "fits" and (best is None or row.step_s < best.step_s)
+  skipped = lambda bound, n, predicted: (best is not None and bound >= best.step_s) or (
+      not predicted and rows[n].micro_batch_size >= too_large.get(
+          (rows[n].activations, ladders[n].place), math.inf))
   queue = [(row.step_s, n, False) for n, row in rows.items() if not row.verdict]
   heapq.heapify(queue)
-  while queue:
-    bound, n, predicted = heapq.heappop(queue)
-    row, ladder = rows[n], ladders[n]
-    setting = row.activations, ladder.place
-    if best is not None and bound >= best.step_s:
-      rows[n] = dataclasses.replace(row, verdict=(
-          "compiled at its most offload: predicted slower than the pick" if predicted
-          else "not compiled: slower than the pick"))
-    elif predicted:
-      rows[n] = ladder.verify(budgets, device_bytes)
-      best = rows[n] if faster(rows[n]) else best
-    elif row.micro_batch_size >= too_large.get(setting, math.inf):
-      rows[n] = dataclasses.replace(row, verdict="not compiled: a smaller micro-batch does "
-                                                 "not fit the device")
-    else:
-      rows[n] = ladder.predict(budgets, device_bytes)
-      if rows[n].verdict == "no: device":
-        too_large[setting] = min(row.micro_batch_size, too_large.get(setting, math.inf))
-      elif not rows[n].verdict:  # Compiled where the device's budget is known.
-        heapq.heappush(queue, (ladder.bound(), n, True))
-      best = rows[n] if faster(rows[n]) else best
+  with Peaks() as peaks:
+    while queue:
+      bound, n, predicted = heapq.heappop(queue)
+      row, ladder = rows[n], ladders[n]
+      if budgets.device is not None and peaks.workers > 1:  # What is likely judged next.
+        for ahead in heapq.nsmallest(peaks.workers - 1, queue):
+          if not skipped(*ahead):
+            ladders[ahead[1]].ask_ahead(peaks, predicted=ahead[2])
+      if best is not None and bound >= best.step_s:
+        rows[n] = dataclasses.replace(row, verdict=(
+            "compiled at its most offload: predicted slower than the pick" if predicted
+            else "not compiled: slower than the pick"))
+      elif predicted:
+        rows[n] = ladder.verify(budgets, peaks)
+        best = rows[n] if faster(rows[n]) else best
+      elif skipped(bound, n, predicted):
+        rows[n] = dataclasses.replace(row, verdict="not compiled: a smaller micro-batch does "
+                                                   "not fit the device")
+      else:
+        rows[n] = ladder.predict(budgets, peaks)
+        if rows[n].verdict == "no: device":
+          setting = row.activations, ladder.place
+          too_large[setting] = min(row.micro_batch_size, too_large.get(setting, math.inf))
+        elif not rows[n].verdict:  # Compiled where the device's budget is known.
+          heapq.heappush(queue, (ladder.bound(), n, True))
+        best = rows[n] if faster(rows[n]) else best
   # Without offload, both placements are one setting: its row once, the pick's where it is.
   unique = {}
   for n in sorted(rows, key=lambda n: (rows[n].step_s, rows[n] != best)):
@@ -258,20 +267,20 @@ class Ladder:
     return candidate if budgets.fits_host(candidate) else dataclasses.replace(
         candidate, verdict="no: host")
 
-  def predict(self, budgets: Budgets, device_bytes: dict) -> Candidate:
+  def predict(self, budgets: Budgets, peaks: Peaks) -> Candidate:
     """The most offload compiled: its row where it does not fit the device (then nothing
     does); else the least offload its peak predicts to fit, not yet compiled (its verdict
     empty; ``bound``, ``verify``). Its peak less its resident state (activations,
     gradients, temporaries), with another fraction's resident state, predicts that
-    fraction's peak. ``device_bytes`` holds the device peaks compiled so far, by
-    overrides, and gets this ladder's. Where the device's budget is unknown (CPUs)
-    nothing is compiled: the least offload, judged by the host alone."""
+    fraction's peak. ``peaks`` holds the device peaks compiled so far, by overrides, and
+    gets this ladder's. Where the device's budget is unknown (CPUs) nothing is compiled:
+    the least offload, judged by the host alone."""
     if budgets.device is None:  # No budget to judge a peak against: the least offload wins.
       candidate = self.judge(self._least)[1]
       return dataclasses.replace(candidate, verdict="fits" if budgets.fits_host(candidate)
                                  else "no: host")
     self._compiled = {}
-    if not self._fits(self.steps, budgets, device_bytes):
+    if not self._fits(self.steps, budgets, peaks):
       return dataclasses.replace(self._compiled[self.steps], verdict="no: device")
     others = self._compiled[self.steps].device_bytes - self.resident_bytes(self.steps)
     predicted = lambda step: budgets.fits_device(dataclasses.replace(
@@ -285,14 +294,16 @@ class Ladder:
     step (the peaks it predicts from grow with the fraction, so it seldom is)."""
     return self.judge(max(self._guess - 1, self._least))[1].step_s
 
-  def verify(self, budgets: Budgets, device_bytes: dict) -> Candidate:
+  def verify(self, budgets: Budgets, peaks: Peaks) -> Candidate:
     """After ``predict``: the least offload whose compiled step fits the device, and
     whether it fits the host. The predicted fit is compiled, and the step below it where
     that fits too (then a bisection below); where it does not (a wrong prediction), a
     bisection above it."""
-    fits = lambda step: self._fits(step, budgets, device_bytes)
+    fits = lambda step: self._fits(step, budgets, peaks)
     guess = self._guess
     assert guess is not None, "verify follows predict"
+    if peaks.workers > 1 and guess > self._least:  # Judged next where the guess fits.
+      self._ask(guess - 1, peaks)
     if not fits(guess):
       step = _first(guess + 1, self.steps, fits)
     elif guess > self._least and fits(guess - 1):
@@ -302,19 +313,24 @@ class Ladder:
     return dataclasses.replace(self._compiled[step], verdict="fits" if budgets.fits_host(
         self._compiled[step]) else "no: host")
 
-  def _fits(self, step: int, budgets: Budgets, device_bytes: dict) -> bool:
+  def ask_ahead(self, peaks: Peaks, *, predicted: bool) -> None:
+    """Starts compiling the step this ladder's next judgement compiles first: its guess
+    once ``predict`` made one, else its most offload."""
+    self._ask(self._guess if predicted else self.steps, peaks)
+
+  def _ask(self, step: int, peaks: Peaks) -> None:
+    judged = self.judge(step)
+    if judged is not None:
+      peaks.ask(judged[1].overrides, judged[0])
+
+  def _fits(self, step: int, budgets: Budgets, peaks: Peaks) -> bool:
     """Whether step ``step``'s compiled peak fits the device; its row, with that peak, kept
     in ``_compiled``. With a calibration, the peak counts the moved activations' originals
     that the link leaves on the device (``step_time.moved_copies``)."""
     setup, candidate = self.judge(step)
-    if candidate.overrides not in device_bytes:
-      tokens = setup.global_batch(0)
-      moved = self.calibration and moved_copies(setup, self.calibration, self.machine)
-      device_bytes[candidate.overrides] = Trainer.from_shapes(setup).compile(
-          jax.ShapeDtypeStruct(tokens.shape, tokens.dtype, sharding=tokens.sharding)
-      ).device_bytes + (moved.held_bytes if moved else 0)
-    self._compiled[step] = dataclasses.replace(candidate,
-                                               device_bytes=device_bytes[candidate.overrides])
+    moved = self.calibration and moved_copies(setup, self.calibration, self.machine)
+    peak = peaks.get(candidate.overrides, setup) + (moved.held_bytes if moved else 0)
+    self._compiled[step] = dataclasses.replace(candidate, device_bytes=peak)
     return budgets.fits_device(self._compiled[step])
 
   def resident_bytes(self, step: int) -> int:

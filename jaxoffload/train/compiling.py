@@ -1,0 +1,93 @@
+"""Compiling several programs at once, for the searches that judge steps by XLA's analysis.
+
+XLA compiles without holding Python's lock, so a few threads compile a few programs in
+about the time of one: the planner's calibration compiles all its programs before it
+times any, and ``Peaks`` lets a search ask for the steps it will likely judge next while
+it waits for the one it judges now.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Hashable, Iterable, Optional, TypeVar
+
+import jax
+
+from jaxoffload.train.resolve import Setup
+from jaxoffload.train.step import Trainer
+
+T = TypeVar("T")
+# Each compile also uses a few threads of its own (LLVM's, the autotuner's).
+_CORES_PER_COMPILE = 4
+_MOST_WORKERS = 4
+
+
+def workers() -> int:
+  """How many programs to compile at once on this machine: 1 on a small one."""
+  return max(1, min(_MOST_WORKERS, (os.cpu_count() or 1) // _CORES_PER_COMPILE))
+
+
+def compile_all(compile: Callable[[T], object], items: Iterable[T]) -> list:
+  """``compile(item)`` for each of ``items``, ``workers()`` at a time; their results in order.
+
+  Example:
+    >>> executables = compile_all(lambda f: f.lower(x).compile(), [jax.jit(f), jax.jit(g)])
+  """
+  with ThreadPoolExecutor(workers()) as pool:
+    return list(pool.map(compile, items))
+
+
+def step_peak(setup: Setup) -> int:
+  """XLA's device peak of ``setup``'s step, compiled from shapes alone."""
+  tokens = setup.global_batch(0)
+  return Trainer.from_shapes(setup).compile(
+      jax.ShapeDtypeStruct(tokens.shape, tokens.dtype, sharding=tokens.sharding)).device_bytes
+
+
+class Peaks:
+  """Steps' device peaks (``step_peak``) by a key, each compiled once, ``workers`` at a time.
+
+  ``ask`` starts a compile and returns; ``get`` waits for one (asking for it first). A search
+  asks ahead only where ``workers`` > 1: with one thread a step asked for ahead would delay
+  the one it needs next. Use it as a context manager: leaving cancels what was asked for and
+  not started, and waits for what was, so that no compile outlives the search.
+
+  Example:
+    >>> with Peaks() as peaks:
+    ...   peaks.ask("b", setup_b)
+    ...   fits = peaks.get("a", setup_a) <= budget
+  """
+
+  def __init__(self, threads: Optional[int] = None):
+    self.workers = threads or workers()
+    self._pool = ThreadPoolExecutor(self.workers)
+    self._futures: dict[Hashable, Future] = {}
+
+  def __enter__(self) -> "Peaks":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self._pool.shutdown(wait=True, cancel_futures=True)
+
+  @property
+  def compile_seconds(self) -> list[float]:
+    """The seconds of each compile finished so far."""
+    return [f.result()[1] for f in self._futures.values()
+            if f.done() and not f.cancelled() and f.exception() is None]
+
+  def ask(self, key: Hashable, setup: Setup) -> None:
+    """Starts compiling ``setup``'s step unless it was asked for under ``key`` before."""
+    if key not in self._futures:
+      self._futures[key] = self._pool.submit(_timed, setup)
+
+  def get(self, key: Hashable, setup: Setup) -> int:
+    """The device peak of ``setup``'s step, compiled (once) under ``key``."""
+    self.ask(key, setup)
+    return self._futures[key].result()[0]
+
+
+def _timed(setup: Setup) -> tuple[int, float]:
+  start = time.perf_counter()
+  return step_peak(setup), time.perf_counter() - start
