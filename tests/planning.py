@@ -25,7 +25,7 @@ TEMPORARIES = 10**6
 @pytest.fixture
 def compiled_as_resident(monkeypatch):
   """The compiled step's device peak: what the state holds on the device, and 1 MB more."""
-  def compile(self, tokens):
+  def compile(self, tokens, **_):
     return CompiledStep((), resident_device_bytes(self) + TEMPORARIES, 0)
 
   monkeypatch.setattr(Trainer, "compile", compile)

@@ -71,7 +71,7 @@ def test_both_placements_are_tried_where_the_state_alone_fits_but_the_step_does_
   # headroom, its compiled step does not, and the placements then differ.
   config = load_config(None, ["train.global_batch_size=4", "train.micro_batch_size=4"])
   whole = resident_device_bytes(Trainer.from_shapes(resolve(config)))
-  monkeypatch.setattr(Trainer, "compile", lambda self, tokens: CompiledStep(
+  monkeypatch.setattr(Trainer, "compile", lambda self, tokens, **_: CompiledStep(
       (), resident_device_bytes(self) + whole // 10, 0))
   budgets = plan.Budgets(device=int(whole * 1.1), host=10**12)
   # A host kernel far faster than the links: its step is the faster one.
@@ -88,7 +88,7 @@ def test_the_host_kernel_sums_on_the_host_where_the_device_cannot_hold_the_sums(
   # Summed on the device, a step's gradients take 4 bytes an element more.
   config = load_config(None, ["train.global_batch_size=16", "train.micro_batch_size=4"])
   elements = sum(x.size for x in jax.tree.leaves(resolve(config).param_shapes))
-  monkeypatch.setattr(Trainer, "compile", lambda self, tokens: CompiledStep(
+  monkeypatch.setattr(Trainer, "compile", lambda self, tokens, **_: CompiledStep(
       (), resident_device_bytes(self) + TEMPORARIES + (
           0 if self.setup.sums_on_host else 4 * elements), 0))
   all_on_host = resident_device_bytes(Trainer.from_shapes(resolve(load_config(None, [
@@ -110,7 +110,8 @@ def test_settings_whose_state_alone_cannot_fit_are_never_compiled(compiled_as_re
                                                                   monkeypatch):
   compiled = []
   real = Trainer.compile
-  monkeypatch.setattr(Trainer, "compile", lambda self, t: compiled.append(1) or real(self, t))
+  monkeypatch.setattr(Trainer, "compile", lambda self, t, **options: compiled.append(1) or real(
+      self, t, **options))
   config = load_config(None, [])
   pick, rows = plan.plan(config, plan.Budgets(device=1, host=10**12), machine=MACHINE,
                          calibration=CALIBRATION, log=print)
@@ -169,7 +170,7 @@ def test_auto_offload_trains_with_the_least_fraction_that_fits(compiled_as_resid
 
 
 def test_without_a_device_budget_nothing_is_compiled_and_the_host_decides(monkeypatch):
-  monkeypatch.setattr(Trainer, "compile", lambda self, tokens: pytest.fail("compiled"))
+  monkeypatch.setattr(Trainer, "compile", lambda self, tokens, **_: pytest.fail("compiled"))
   monkeypatch.setattr(search, "host_rss_bytes", lambda: 10**9)
   config = load_config(None, ["train.global_batch_size=4", "train.micro_batch_size=4"])
   pick, rows = plan.plan(config, plan.Budgets(device=None, host=10**12), machine=MACHINE,
@@ -279,7 +280,7 @@ def test_a_ladder_compiles_its_most_offload_then_where_that_peak_predicts_a_fit(
   peak = lambda resident: resident + TEMPORARIES + (resident if grows else 0)
   compiles = []
 
-  def compile(self, tokens):
+  def compile(self, tokens, **_):
     compiles.append(resident_device_bytes(self))
     return CompiledStep((), peak(compiles[-1]), 0)
 

@@ -23,7 +23,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxoffload.sharding import batch_sharding
-from jaxoffload.train.compiling import compile_all
 from jaxoffload.train.config import Config
 from jaxoffload.train.grads import loss_and_grads
 from jaxoffload.train.loading import override
@@ -50,25 +49,20 @@ def calibrate(configs: list[Config], *, log: Callable[[str], None] = print) -> C
     from one depth less the fixed part (and, offloaded, the saved layer after it).
   """
   base = configs[0]
-  size = base.train.micro_batch_size
-  others = {}  # Every other mode's run: one layer (offloaded, then a saved one).
+  save_one, save_two = (_fwd_bwd_s(base, _rest_layers("save", n)) for n in (1, 2))
+  layer_s = {"save": max(save_two - save_one, 0.0)}
+  fixed_s = max(save_one - layer_s["save"], 0.0)
   for config in configs:
     for mode in timed_modes(config):
-      if mode != "save" and mode not in others:
+      if mode not in layer_s:
         rest = mode in REST_MODES.values()
-        others[mode] = config, _rest_layers(mode, 1) if rest else _OFFLOADED_LAYER
-  saved = {"one": (base, _rest_layers("save", 1)), "two": (base, _rest_layers("save", 2))}
-  if size > 1:  # Time = a + b x size, from the two-layer model at half the size.
-    saved["two, half"] = base, _rest_layers("save", 2) + [f"train.micro_batch_size={size // 2}"]
-  seconds = _fwd_bwd_s({**saved, **others})
-  layer_s = {"save": max(seconds["two"] - seconds["one"], 0.0)}
-  fixed_s = max(seconds["one"] - layer_s["save"], 0.0)
-  for mode, (_, overrides) in others.items():
-    saved_after = layer_s["save"] if overrides is _OFFLOADED_LAYER else 0.0
-    layer_s[mode] = max(seconds[mode] - fixed_s - saved_after, 0.0)
+        one = _fwd_bwd_s(config, _rest_layers(mode, 1) if rest else _OFFLOADED_LAYER)
+        layer_s[mode] = max(one - fixed_s - (0.0 if rest else layer_s["save"]), 0.0)
+  size = base.train.micro_batch_size
   overhead = 0.0
-  if "two, half" in seconds and seconds["two"] > 0:
-    overhead = min(max((2 * seconds["two, half"] - seconds["two"]) / seconds["two"], 0.0), 1.0)
+  if size > 1:  # Time = a + b x size, from the two-layer model at half the size.
+    half = _fwd_bwd_s(base, _rest_layers("save", 2) + [f"train.micro_batch_size={size // 2}"])
+    overhead = min(max((2 * half - save_two) / save_two, 0.0), 1.0) if save_two > 0 else 0.0
   log(f"calibrated a micro-batch of {size}: "
       + ", ".join(f"{mode} {s * 1e3:,.1f} ms a layer" for mode, s in layer_s.items())
       + f", {fixed_s * 1e3:,.1f} ms outside the layers; {overhead:.0%} of it does not shrink "
@@ -90,32 +84,20 @@ _OFFLOADED_LAYER = ["model.num_layers=2", "model.cpu_offloading_num_layers=1",
                     "model.recompute_granularity=null"]
 
 
-def _fwd_bwd_s(runs: dict[str, tuple[Config, list[str]]]) -> dict[str, float]:
-  """The median seconds of a jitted forward and backward pass of each run's config changed
-  by its overrides, on one micro-batch of synthetic tokens, its weights in device memory
+def _fwd_bwd_s(config: Config, overrides: list[str]) -> float:
+  """The median seconds of a jitted forward and backward pass of ``config`` changed by
+  ``overrides``, on one micro-batch of synthetic tokens, its weights in device memory
   (the optimizer's offload is priced apart; the host kernel's weights would be in host
-  memory, which the plain model does not read). Every pass is compiled, several at once
-  (``compiling``), before any is timed."""
-  setups = {key: _small_setup(config, overrides) for key, (config, overrides) in runs.items()}
-  step = lambda setup: jax.jit(lambda p, x: loss_and_grads(setup.llama, p, x))
-  executables = compile_all(lambda setup: step(setup).lower(*_input_shapes(setup)).compile(),
-                            setups.values())
-  seconds = {}
-  for (key, setup), executable in zip(setups.items(), executables):
-    params, tokens = _inputs(setup)
-    seconds[key] = _median_s(lambda: jax.block_until_ready(executable(params, tokens)))
-    del params, tokens  # Before the next run's inputs take the device's memory.
-  return seconds
-
-
-def _small_setup(config: Config, overrides: list[str]) -> Setup:
-  """``config`` changed by ``overrides`` to a run of one micro-batch of synthetic tokens,
-  without optimizer offload."""
+  memory, which the plain model does not read)."""
   small = override(config, overrides + [
       "data.dataset=synthetic", "data.path=null", "data.tokenizer=null", "data.eos_token=null",
       "model.hf_checkpoint=null", "checkpoint.init_from=null",
       "optimizer.optimizer_cpu_offload=False", "optimizer.optimizer_offload_fraction=0.0"])
-  return resolve(override(small, [f"train.global_batch_size={small.train.micro_batch_size}"]))
+  small = override(small, [f"train.global_batch_size={small.train.micro_batch_size}"])
+  setup = resolve(small)
+  params, tokens = _inputs(setup)
+  step = jax.jit(lambda p, x: loss_and_grads(setup.llama, p, x))
+  return _median_s(lambda: jax.block_until_ready(step(params, tokens)))
 
 
 def _inputs(setup: Setup) -> tuple[Any, jax.Array]:
@@ -130,14 +112,6 @@ def _inputs(setup: Setup) -> tuple[Any, jax.Array]:
   m, size = setup.config.model, setup.config.train.micro_batch_size
   tokens = np.arange(size * m.seq_length, dtype=np.int32).reshape(size, -1) % m.vocab_size
   return params, placed(tokens, batch_sharding(setup.mesh))
-
-
-def _input_shapes(setup: Setup) -> tuple[Any, jax.ShapeDtypeStruct]:
-  """What ``_inputs`` makes, as shapes, to compile for."""
-  struct = lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-  m, size = setup.config.model, setup.config.train.micro_batch_size
-  return (jax.tree.map(struct, setup.param_shapes, setup.param_shardings),
-          jax.ShapeDtypeStruct((size, m.seq_length), jnp.int32, sharding=batch_sharding(setup.mesh)))
 
 
 def _device_bandwidth() -> float:

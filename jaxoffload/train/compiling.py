@@ -1,9 +1,12 @@
-"""Compiling several programs at once, for the searches that judge steps by XLA's analysis.
+"""Compiling steps for their device peak alone, several at once, for the searches that
+judge settings by XLA's memory analysis.
 
-XLA compiles without holding Python's lock, so a few threads compile a few programs in
-about the time of one: the planner's calibration compiles all its programs before it
-times any, and ``Peaks`` lets a search ask for the steps it will likely judge next while
-it waits for the one it judges now.
+XLA compiles without holding Python's lock, so a few threads compile a few steps in about
+the time of one: ``Peaks`` lets a search ask for the steps it will likely judge next while
+it waits for the one it judges now. These compiles skip autotuning: it would time kernels
+on the device, under the other compiles' load, and keep its picks for the process's own
+step; what it picks changes the step's buffers little (a matrix product's workspace),
+within the search's headroom (``fit.DEVICE_HEADROOM``).
 """
 
 from __future__ import annotations
@@ -11,15 +14,14 @@ from __future__ import annotations
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Hashable, Iterable, Optional, TypeVar
+from typing import Hashable, Optional
 
 import jax
 
 from jaxoffload.train.resolve import Setup
 from jaxoffload.train.step import Trainer
 
-T = TypeVar("T")
-# Each compile also uses a few threads of its own (LLVM's, the autotuner's).
+# Each compile also uses a few threads of its own (LLVM's).
 _CORES_PER_COMPILE = 4
 _MOST_WORKERS = 4
 
@@ -29,21 +31,15 @@ def workers() -> int:
   return max(1, min(_MOST_WORKERS, (os.cpu_count() or 1) // _CORES_PER_COMPILE))
 
 
-def compile_all(compile: Callable[[T], object], items: Iterable[T]) -> list:
-  """``compile(item)`` for each of ``items``, ``workers()`` at a time; their results in order.
-
-  Example:
-    >>> executables = compile_all(lambda f: f.lower(x).compile(), [jax.jit(f), jax.jit(g)])
-  """
-  with ThreadPoolExecutor(workers()) as pool:
-    return list(pool.map(compile, items))
+ANALYSIS_ONLY = {"xla_gpu_autotune_level": 0}
 
 
 def step_peak(setup: Setup) -> int:
-  """XLA's device peak of ``setup``'s step, compiled from shapes alone."""
+  """XLA's device peak of ``setup``'s step, compiled from shapes alone, without autotuning."""
   tokens = setup.global_batch(0)
   return Trainer.from_shapes(setup).compile(
-      jax.ShapeDtypeStruct(tokens.shape, tokens.dtype, sharding=tokens.sharding)).device_bytes
+      jax.ShapeDtypeStruct(tokens.shape, tokens.dtype, sharding=tokens.sharding),
+      compiler_options=ANALYSIS_ONLY).device_bytes
 
 
 class Peaks:

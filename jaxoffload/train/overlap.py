@@ -130,16 +130,18 @@ class OverlappedStep:
     layer group's backward program for a micro-batch neither first nor last)."""
     return dict(self._compiled)
 
-  def compile(self, device_leaves: list, host_params: list, opt_state: Any, tokens: jax.Array
+  def compile(self, device_leaves: list, host_params: list, opt_state: Any, tokens: jax.Array,
+              compiler_options: Optional[dict] = None
               ) -> tuple[dict[str, jax.stages.Compiled], int]:
-    """Compiles the step's programs for arguments like these (arrays or shapes), which later
-    steps then run; returns them by name with the bytes, on one device, that the step
-    holds beside the parameters and state (``HeldBytes.total``)."""
+    """Compiles the step's programs for arguments like these (arrays or shapes), with XLA's
+    ``compiler_options``, which later steps then run; returns them by name with the bytes,
+    on one device, that the step holds beside the parameters and state
+    (``HeldBytes.total``)."""
     held = HeldBytes(self.piece)
 
     def run(key, jitted, static, *args):
       if key not in self._compiled:
-        self._compiled[key] = jitted.lower(*static, *args).compile()
+        self._compiled[key] = jitted.lower(*static, *args).compile(compiler_options)
       shapes = jax.eval_shape(functools.partial(jitted, *static), *args)
       out = jax.tree.map(lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                                   sharding=sharding),

@@ -116,21 +116,25 @@ class Trainer:
     """What the step reads of the host kernel's leaves (none without it)."""
     return self._host_shapes if self.host is None else self.host.params
 
-  def compile(self, tokens: jax.Array) -> CompiledStep:
-    """Compiles the step for batches like ``tokens``; later steps run these programs."""
+  def compile(self, tokens: jax.Array, compiler_options: Optional[dict] = None
+              ) -> CompiledStep:
+    """Compiles the step for batches like ``tokens``, with XLA's ``compiler_options``;
+    later steps run these programs."""
     if self.overlapped is not None:
-      return self._compile_overlapped(tokens)
+      return self._compile_overlapped(tokens, compiler_options)
+    options = dict(compiler_options=compiler_options)
     if not self.setup.sums_on_host:
       self._compiled = (self.programs.step.lower(self.params, self.host_params, self.opt_state,
-                                         tokens).compile(),)
+                                         tokens).compile(**options),)
       analysis = self._compiled[0].memory_analysis()
       return CompiledStep(self._compiled, compiled_device_bytes(analysis),
                           analysis.host_temp_size_in_bytes)
     sums = jax.eval_shape(self.programs.zero_sums)
     self._compiled = (
         self.programs.micro_step.lower(self.params, self.host_params, sums, tokens, 0,
-                                       0).compile(),
-        self.programs.update_step.lower(self.params, self.opt_state, sums, 0.0).compile())
+                                       0).compile(**options),
+        self.programs.update_step.lower(self.params, self.opt_state, sums, 0.0).compile(
+            **options))
     micro, update = (program.memory_analysis() for program in self._compiled)
     # The optimizer state stays in device memory while the micro-batches run.
     resident = _device_bytes(self.opt_state)
@@ -138,13 +142,14 @@ class Trainer:
                                             compiled_device_bytes(update)),
                         max(micro.host_temp_size_in_bytes, update.host_temp_size_in_bytes))
 
-  def _compile_overlapped(self, tokens: jax.Array) -> CompiledStep:
+  def _compile_overlapped(self, tokens: jax.Array, compiler_options: Optional[dict]
+                          ) -> CompiledStep:
     """``compile`` of the overlapped step's programs. Its device peak: what the step holds
     beside the parameters and state (``OverlappedStep.compile``: what a micro-batch's
     forward programs keep, the device leaves' gradients or the sums they come from), with
     the largest program's temporaries; or the update's, if larger."""
     programs, held = self.overlapped.compile(self.params, self.host_params, self.opt_state,
-                                             tokens)
+                                             tokens, compiler_options)
     self._compiled = tuple(programs.values())
     analyses = {name: program.memory_analysis() for name, program in programs.items()}
     update = analyses.pop("update")
