@@ -105,10 +105,10 @@ case $part in
       logging.jsonl="$out/train_22b.jsonl"
     ;;
   13b)
-    timed plan_13b 200 python3 -m jaxoffload.plan --config configs/llama_13b_offload.yaml
+    timed plan_13b 250 python3 -m jaxoffload.plan --config configs/llama_13b_offload.yaml
     pick=$(grep '^  python -m jaxoffload.train ' "$out/plan_13b.log" | tail -1)
     if [ -z "$pick" ]; then echo "plan_13b picked nothing"; exit 1; fi
-    timeout -k 10 350 ${pick/python/python3} train.train_iters=4 optimizer.clip_grad=0 \
+    timeout -k 10 300 ${pick/python/python3} train.train_iters=4 optimizer.clip_grad=0 \
       logging.progress_bar=False logging.jsonl="$out/train_13b_pick.jsonl" \
       > "$out/train_13b_pick.log" 2>&1
     echo "train_13b_pick: exit $?; $(tail -1 "$out/train_13b_pick.log")"
@@ -154,6 +154,8 @@ case $part in
       $weights optimizer.clip_grad=0 train.train_iters=7 logging.progress_bar=False \
       logging.profile_dir="$out/trace" logging.profile_start_step=5 logging.profile_steps=2
     timed step_trace 120 python3 benchmarks/step_trace.py "$out/trace" --out "$out/step_trace"
+    # A copy beside the results, where a shallow listing of OUT finds it.
+    cp "$(ls -t "$out"/trace/plugins/profile/*/*.xplane.pb | head -1)" "$out/weights.xplane.pb"
     ;;
   *) echo "unknown part $part: 1b, 1b-clipped, activations, plan, import, 13b, largest, 8b," \
        "8b-shipped or weights-trace" >&2

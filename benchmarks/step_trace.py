@@ -95,7 +95,9 @@ def main() -> None:
   device.sort()
   steps = [e for e in host if STEP.search(e[2])]
   if not steps:
-    sys.exit(f"no Trainer.step in the trace under {args.trace_dir}")
+    names = collections.Counter(e[2] for e in host).most_common(8)
+    sys.exit(f"no Trainer.step in the trace under {args.trace_dir}; {len(host)} events on "
+             f"its python lines, the most frequent: {names}")
 
   results, lines = [], []
   for k, step in enumerate(steps):
