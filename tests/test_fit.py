@@ -196,7 +196,7 @@ def test_a_combination_the_rules_refuse_at_every_fraction_is_a_row_that_says_why
 
 class _FakeLadder:
   """A ladder whose bounds and fit are given: its least offload's time, the bound once its
-  most offload is compiled, and the time of the fit it verifies."""
+  most offload's peak is predicted, and the time of the fit it verifies."""
 
   def __init__(self, name, least_s, predicted_s, fit_s, calls):
     self.name, self.place, self.calls = name, ("host_kernel", None), calls
@@ -237,7 +237,7 @@ def test_the_search_compiles_best_first_by_bounds_that_tighten_as_it_compiles():
   assert calls == [("a", "most offload"), ("b", "most offload"), ("a", "fit")]
   assert best.activations == "a" and len(rows) == 3
   assert {r.activations: r.verdict for r in rows} == {
-      "a": "fits", "b": "compiled at its most offload: predicted slower than the pick",
+      "a": "fits", "b": "its peak predicted: slower than the pick",
       "c": "not compiled: slower than the pick"}
 
 
@@ -274,30 +274,56 @@ def test_a_moved_ladders_peak_counts_the_originals_the_link_leaves_on_the_device
 
 
 @pytest.mark.parametrize("grows", [False, True], ids=["as-predicted", "mispredicted"])
-def test_a_ladder_compiles_its_most_offload_then_where_that_peak_predicts_a_fit(monkeypatch,
-                                                                                grows):
-  # Temporaries fixed (the prediction holds), or growing with what the device holds.
-  peak = lambda resident: resident + TEMPORARIES + (resident if grows else 0)
+def test_a_ladder_predicts_its_peak_from_two_shallow_depths_then_compiles_where_it_fits(
+    monkeypatch, grows):
+  # Beside the resident state, activations of 3 MB a layer and fixed temporaries (the line
+  # drawn through the shallow depths holds), or temporaries growing with what the device
+  # holds too (it does not).
+  peak = lambda resident, layers: (resident + 3 * 10**6 * layers + TEMPORARIES
+                                   + (resident if grows else 0))
   compiles = []
 
   def compile(self, tokens, **_):
-    compiles.append(resident_device_bytes(self))
-    return CompiledStep((), peak(compiles[-1]), 0)
+    compiles.append((self.setup.model.num_layers, resident_device_bytes(self)))
+    return CompiledStep((), peak(compiles[-1][1], compiles[-1][0]), 0)
 
   monkeypatch.setattr(Trainer, "compile", compile)
   config = load_config(None, ["train.global_batch_size=4", "train.micro_batch_size=4",
                               "model.num_layers=8"])
   ladder = fit.Ladder(config, "as configured", [], ("device", None), MACHINE, None, 0)
-  budgets = fit.Budgets(device=int(peak(ladder.resident_bytes(0) * 0.6) / 0.95), host=10**12)
+  budgets = fit.Budgets(device=int(peak(ladder.resident_bytes(0) * 0.6, 8) / 0.95),
+                        host=10**12)
   assert ladder.least(budgets).verdict == ""
   with Peaks(threads=1) as peaks:
     assert ladder.predict(budgets, peaks).verdict == ""  # Predicted, not yet compiled.
+    # The most offload at 2 and 4 layers; the whole model not yet.
+    assert [layers for layers, _ in compiles] == list(fit.SHALLOW)
     row = ladder.verify(budgets, peaks)
   least = next(step for step in range(9)
-               if peak(ladder.resident_bytes(step)) <= 0.95 * budgets.device)
+               if peak(ladder.resident_bytes(step), 8) <= 0.95 * budgets.device)
   assert 0 < least < 8 and row.verdict == "fits" and row.fraction == least / 8
-  # The most offload, the predicted least and the step below it; where the prediction was
-  # wrong (its guess does not fit), a bisection above it.
-  guess_fits = peak(compiles[1]) <= 0.95 * budgets.device
+  assert row.device_bytes == peak(ladder.resident_bytes(least), 8)
+  # Then the whole model where the line predicts the least fit, and the step below it;
+  # where the prediction was wrong (its guess does not fit), a bisection above it.
+  assert {layers for layers, _ in compiles[2:]} == {8}
+  guess_fits = peak(compiles[2][1], 8) <= 0.95 * budgets.device
   assert guess_fits != grows
-  assert len(compiles) == 3 if not grows else 3 <= len(compiles) <= 2 + 4
+  assert len(compiles) == 4 if not grows else 4 <= len(compiles) <= 3 + 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting, place", [
+    ("recompute selectively", ("device", None)),
+    ("offload qkv, 9 layers", ("host_kernel", "host"))])
+def test_the_line_through_two_shallow_depths_predicts_the_whole_models_compiled_peak(
+    setting, place):
+  config = load_config(None, ["model.num_layers=10", "train.global_batch_size=8",
+                              "train.micro_batch_size=2"])
+  overrides = search.activation_settings(config, backend="gpu")[setting]
+  ladder = fit.Ladder(config, setting, list(overrides), place, MACHINE, None, 0)
+  assert ladder.least(fit.Budgets(device=10**12, host=10**13)).verdict == ""
+  with Peaks() as peaks:
+    predicted = ladder.others(peaks)
+    setup, candidate = ladder.judge(ladder.steps)
+    compiled = peaks.get(candidate.overrides, setup) - ladder.resident_bytes(ladder.steps)
+  assert predicted == pytest.approx(compiled, rel=0.005)

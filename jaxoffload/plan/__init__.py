@@ -10,8 +10,9 @@ Adam moments, it searches again with bfloat16 moments, then 8-bit ones
 Each candidate is judged before anything is allocated:
 
 - device peak: XLA's memory analysis of the step compiled from shapes alone
-  (``Trainer.from_shapes``), against the device's memory less a headroom; where that
-  memory is unknown (CPUs), nothing is compiled;
+  (``Trainer.from_shapes``), against the device's memory less a headroom: predicted
+  from the step at two shallow depths, then compiled whole where it is predicted to fit
+  (``train.fit.search``); where that memory is unknown (CPUs), nothing is compiled;
 - host bytes: the host-memory guard's arithmetic (``train.host_memory``, with the JAX
   runtime's reserve) and what this process holds, against what the machine gives less
   a headroom;

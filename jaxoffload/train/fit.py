@@ -30,6 +30,9 @@ from jaxoffload.train.update_place import candidate_places, kernel_formats
 DEVICE_HEADROOM = 0.05  # XLA's estimate leaves out fragmentation and the runtime's own use.
 HOST_HEADROOM = 0.10  # The guard's arithmetic leaves out allocator growth it cannot see.
 PLACES = ("device", "host_kernel")
+# The depths a ladder's step is compiled at to predict its peak at any depth (``Ladder.others``):
+# deep enough that XLA's offload copies reach the schedule they keep in deeper models.
+SHALLOW = (4, 6)
 Log = Callable[[str], None]
 
 
@@ -157,13 +160,14 @@ def search(ladders: list[Ladder], budgets: Budgets) -> tuple[Optional[Candidate]
 
   Best first, by a bound on each ladder's step time that tightens as it is compiled: at
   first its least fraction whose state alone fits (found without compiling); once its
-  most offload is compiled (if that does not fit, neither does a larger micro-batch of
-  its activation setting), a layer-sized step below where that peak predicts the least
-  fit (``Ladder.predict``: a bound if the prediction errs by no more than that step);
-  then the fit itself, compiled there (``Ladder.verify``). The search stops once the
-  pick is faster than every bound left; where the device's budget is unknown, nothing
-  is compiled. Meanwhile the steps the next ladders in line would compile first are
-  compiled on other threads (``compiling.Peaks``): the outcome is the same.
+  most offload's peak is predicted (``Ladder.others``: compiled at two shallow depths; if
+  that peak does not fit, neither does a larger micro-batch of its activation setting), a
+  layer-sized step below where that peak predicts the least fit (``Ladder.predict``: a
+  bound if the prediction errs by no more than that step); then the fit itself, compiled
+  there (``Ladder.verify``). The search stops once the pick is faster than every bound
+  left; where the device's budget is unknown, nothing is compiled. Meanwhile what the
+  next ladders in line would compile first is compiled on other threads
+  (``compiling.Peaks``): the outcome is the same.
   """
   rows = {n: ladder.least(budgets) for n, ladder in enumerate(ladders)}
   # Per activation setting and placement, the least micro-batch that cannot fit.
@@ -184,7 +188,7 @@ def search(ladders: list[Ladder], budgets: Budgets) -> tuple[Optional[Candidate]
             ladders[ahead[1]].ask_ahead(peaks, predicted=ahead[2])
       if best is not None and bound >= best.step_s:
         rows[n] = dataclasses.replace(row, verdict=(
-            "compiled at its most offload: predicted slower than the pick" if predicted
+            "its peak predicted: slower than the pick" if predicted
             else "not compiled: slower than the pick"))
       elif predicted:
         rows[n] = ladder.verify(budgets, peaks)
@@ -194,7 +198,7 @@ def search(ladders: list[Ladder], budgets: Budgets) -> tuple[Optional[Candidate]
                                                    "not fit the device")
       else:
         rows[n] = ladder.predict(budgets, peaks)
-        if rows[n].verdict == "no: device":
+        if rows[n].verdict.startswith("no: device"):
           setting = row.activations, ladder.place
           too_large[setting] = min(row.micro_batch_size, too_large.get(setting, math.inf))
         elif not rows[n].verdict:  # Compiled where the device's budget is known.
@@ -225,6 +229,7 @@ class Ladder:
     self._resident: dict[int, int] = {}
     self._compiled: dict[int, Candidate] = {}  # Per step compiled, its row with its peak.
     self._guess: Optional[int] = None  # Where ``predict`` found the least fit would be.
+    self._shallows: dict[int, Optional[tuple[tuple[str, ...], Setup]]] = {}
 
   def judge(self, step: int) -> Optional[tuple[Setup, Candidate]]:
     """Step ``step``'s setup and candidate (not compiled); None where a rule refuses it."""
@@ -268,25 +273,73 @@ class Ladder:
         candidate, verdict="no: host")
 
   def predict(self, budgets: Budgets, peaks: Peaks) -> Candidate:
-    """The most offload compiled: its row where it does not fit the device (then nothing
-    does); else the least offload its peak predicts to fit, not yet compiled (its verdict
-    empty; ``bound``, ``verify``). Its peak less its resident state (activations,
-    gradients, temporaries), with another fraction's resident state, predicts that
-    fraction's peak. ``peaks`` holds the device peaks compiled so far, by overrides, and
-    gets this ladder's. Where the device's budget is unknown (CPUs) nothing is compiled:
-    the least offload, judged by the host alone."""
+    """The most offload's peak predicted: its row where it does not fit the device (then
+    nothing does); else the least offload that peak predicts to fit, not yet compiled (its
+    verdict empty; ``bound``, ``verify``). What the step holds beyond its resident state
+    (activations, gradients, temporaries: ``others``), with another fraction's resident
+    state, predicts that fraction's peak. ``peaks`` holds the device peaks compiled so far,
+    by overrides, and gets this ladder's. Where the device's budget is unknown (CPUs)
+    nothing is compiled: the least offload, judged by the host alone."""
     if budgets.device is None:  # No budget to judge a peak against: the least offload wins.
       candidate = self.judge(self._least)[1]
       return dataclasses.replace(candidate, verdict="fits" if budgets.fits_host(candidate)
                                  else "no: host")
     self._compiled = {}
-    if not self._fits(self.steps, budgets, peaks):
-      return dataclasses.replace(self._compiled[self.steps], verdict="no: device")
-    others = self._compiled[self.steps].device_bytes - self.resident_bytes(self.steps)
-    predicted = lambda step: budgets.fits_device(dataclasses.replace(
-        self.judge(step)[1], device_bytes=others + self.resident_bytes(step)))
-    self._guess = _first(self._least, self.steps, predicted)
+    others = self.others(peaks)
+    row = lambda step: dataclasses.replace(self.judge(step)[1],
+                                           device_bytes=others + self.resident_bytes(step))
+    if not budgets.fits_device(row(self.steps)):
+      return dataclasses.replace(row(self.steps), verdict="no: device (predicted)")
+    self._guess = _first(self._least, self.steps, lambda step: budgets.fits_device(row(step)))
     return self.judge(self._guess)[1]
+
+  def others(self, peaks: Peaks) -> int:
+    """What the step at the most offload holds on the device beyond its resident state,
+    and the moved activations' originals the link leaves there (``step_time.moved_copies``).
+    Compiled at two shallow depths (``SHALLOW``) and drawn to the model's by a line: one
+    program's activations, gradients and their sums grow a layer at a time. Compiled
+    itself: a model no deeper, one whose shallow versions the rules refuse, and a step run
+    a program per layer (it holds the larger of what a layer's programs and the update
+    need, which the line would not follow; its programs are a layer's, quick to compile)."""
+    setup, candidate = self.judge(self.steps)
+    moved = self.calibration and moved_copies(setup, self.calibration, self.machine)
+    moved = moved.held_bytes if moved else 0
+    pair = self._shallow_pair()
+    if not pair:
+      return peaks.get(candidate.overrides, setup) - self.resident_bytes(self.steps) + moved
+    for key, small in pair:
+      peaks.ask(key, small)
+    one, two = (peaks.get(key, small) - resident_device_bytes(Trainer.from_shapes(small))
+                for key, small in pair)
+    per_layer = (two - one) / (SHALLOW[1] - SHALLOW[0])
+    return round(one + per_layer * (self.steps - SHALLOW[0])) + moved
+
+  def _shallow_pair(self) -> list[tuple[tuple[str, ...], Setup]]:
+    """The most offload's versions at ``SHALLOW``'s depths, with their keys; none where
+    ``others`` compiles the model itself."""
+    if self.steps <= SHALLOW[-1] or self.judge(self.steps)[0].runs_per_layer:
+      return []
+    pair = [self._shallow(depth) for depth in SHALLOW]
+    return [] if None in pair else pair
+
+  def _shallow(self, depth: int) -> Optional[tuple[tuple[str, ...], Setup]]:
+    """The most offload's setting with ``depth`` layers, as many of them offloaded in
+    proportion (all but the last where the model offloads all but its last), with its key;
+    None where the rules refuse it."""
+    if depth in self._shallows:
+      return self._shallows[depth]
+    model = self.judge(self.steps)[0].config.model
+    offloaded = model.cpu_offloading_num_layers
+    if offloaded:
+      offloaded = (depth - 1 if offloaded == model.num_layers - 1 else
+                   max(1, round(offloaded * depth / model.num_layers)))
+    overrides = self.judge(self.steps)[1].overrides + (
+        f"model.num_layers={depth}", f"model.cpu_offloading_num_layers={offloaded}")
+    try:
+      self._shallows[depth] = overrides, resolve(override(self.config, list(overrides)))
+    except ConfigError:
+      self._shallows[depth] = None
+    return self._shallows[depth]
 
   def bound(self) -> float:
     """Once ``predict`` compiled, the step time of a layer-sized step below the predicted
@@ -314,9 +367,16 @@ class Ladder:
         self._compiled[step]) else "no: host")
 
   def ask_ahead(self, peaks: Peaks, *, predicted: bool) -> None:
-    """Starts compiling the step this ladder's next judgement compiles first: its guess
-    once ``predict`` made one, else its most offload."""
-    self._ask(self._guess if predicted else self.steps, peaks)
+    """Starts compiling what this ladder's next judgement compiles first: its guess once
+    ``predict`` made one, else what ``others`` compiles."""
+    if predicted:
+      self._ask(self._guess, peaks)
+    elif self.judge(self.steps) is not None:
+      pair = self._shallow_pair()
+      for key, small in pair:
+        peaks.ask(key, small)
+      if not pair:
+        self._ask(self.steps, peaks)
 
   def _ask(self, step: int, peaks: Peaks) -> None:
     judged = self.judge(step)
