@@ -20,7 +20,8 @@ Each candidate is judged before anything is allocated:
   of this machine (``jaxoffload.plan.timing``).
 
 It prints every candidate it judged (compiled or not, and why), marks what
-fits, and picks the fastest that fits; XLA's own log lines are left out.
+fits, and picks the fastest that fits, with the seconds each part of the plan took; XLA's
+own log lines are left out.
 ``optimizer.optimizer_offload_fraction=auto`` in the trainer runs the same search over the
 offload alone (``jaxoffload.train.fit``, whose ladders and search this one extends).
 """
