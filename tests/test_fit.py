@@ -1,5 +1,6 @@
 """The search for the fastest setting that fits (``jaxoffload.train.fit``): its ladders of
-offload fractions, what it compiles and prunes, and ``optimizer_offload_fraction=auto``."""
+offload fractions (``jaxoffload.train.ladder``), what it compiles and prunes, and
+``optimizer_offload_fraction=auto``."""
 
 import dataclasses
 
@@ -9,9 +10,10 @@ import pytest
 from jaxoffload import autoplace, plan
 from jaxoffload.memory import offloaded_activation_bytes
 from jaxoffload.plan import search
-from jaxoffload.train import fit, load_config, resolve, train
-from jaxoffload.train import compiling
+from jaxoffload.train import compiling, fit, load_config, resolve, train
 from jaxoffload.train.compiling import Peaks
+from jaxoffload.train.ladder import (HOST_HEADROOM, SHALLOW, Budgets, Candidate, Ladder,
+                                     offload_overrides)
 from jaxoffload.train.step import CompiledStep, Trainer, resident_device_bytes
 from tests.planning import CALIBRATION, MACHINE, TEMPORARIES, compiled_as_resident  # noqa: F401
 
@@ -92,7 +94,7 @@ def test_the_host_kernel_sums_on_the_host_where_the_device_cannot_hold_the_sums(
       (), resident_device_bytes(self) + TEMPORARIES + (
           0 if self.setup.sums_on_host else 4 * elements), 0))
   all_on_host = resident_device_bytes(Trainer.from_shapes(resolve(load_config(None, [
-      "train.global_batch_size=16", "train.micro_batch_size=4", *fit.offload_overrides(
+      "train.global_batch_size=16", "train.micro_batch_size=4", *offload_overrides(
           1.0, "host_kernel", "host")]))))
   budgets = plan.Budgets(device=int((all_on_host + TEMPORARIES + 2 * elements) / 0.95),
                          host=10**12)
@@ -141,7 +143,7 @@ def test_where_no_float32_state_fits_the_planner_proposes_compact_moments(compil
   exact, _ = search_(10**12, False)
   assert (exact.fraction, exact.moments) == (1.0, "float32")
   # A host a byte short of that: float32 moments fit nowhere; bfloat16 ones do.
-  host = int(exact.host_bytes / (1 - fit.HOST_HEADROOM)) - 1
+  host = int(exact.host_bytes / (1 - HOST_HEADROOM)) - 1
   assert search_(host, False)[0] is None
   pick, rows = search_(host, True)
   assert pick.moments == "bfloat16" and pick.host_bytes < exact.host_bytes
@@ -186,11 +188,11 @@ def test_without_a_device_budget_nothing_is_compiled_and_the_host_decides(monkey
 
 def test_a_combination_the_rules_refuse_at_every_fraction_is_a_row_that_says_why():
   # A micro-batch the global batch of 8 does not divide into.
-  ladder = fit.Ladder(load_config(None), "as configured", ["train.micro_batch_size=3"],
+  ladder = Ladder(load_config(None), "as configured", ["train.micro_batch_size=3"],
                       ("device", None), MACHINE, None, 0)
-  row = ladder.least(fit.Budgets(None, 10**12))
+  row = ladder.least(Budgets(None, 10**12))
   assert row.verdict.startswith("refused: train.global_batch_size")
-  best, rows = fit.search([ladder], fit.Budgets(None, 10**12))
+  best, rows = fit.search([ladder], Budgets(None, 10**12))
   assert best is None and [r.verdict for r in rows] == [row.verdict]
 
 
@@ -203,7 +205,7 @@ class _FakeLadder:
     self.times = least_s, predicted_s, fit_s
 
   def row(self, step_s, verdict=""):
-    return fit.Candidate(self.name, 4, 0.5, "host_kernel", "-", "float32", 0.5, None, 0,
+    return Candidate(self.name, 4, 0.5, "host_kernel", "-", "float32", 0.5, None, 0,
                          step_s, (self.name,), verdict)
 
   def least(self, budgets):
@@ -231,7 +233,7 @@ def test_the_search_compiles_best_first_by_bounds_that_tighten_as_it_compiles():
              # The pick's setting again (as without offload, where placements are one
              # setting), pruned: its row is the pick's.
              _FakeLadder("a", 3.0, 3.0, 3.0, calls)]
-  best, rows = fit.search(ladders, fit.Budgets(device=10**9, host=10**12))
+  best, rows = fit.search(ladders, Budgets(device=10**9, host=10**12))
   # b's most offload predicts a fit slower than a's verified one: never compiled there;
   # c's least offload is slower already: never compiled at all.
   assert calls == [("a", "most offload"), ("b", "most offload"), ("a", "fit")]
@@ -245,9 +247,9 @@ def test_a_ladder_whose_offload_the_rules_refuse_says_why_at_its_own_micro_batch
   config = load_config(None, ["train.global_batch_size=8", "train.micro_batch_size=4",
                               "model.cpu_offloading=True", "model.cpu_offloading_num_layers=2",
                               "model.cpu_offloading_double_buffering=True"])
-  ladder = fit.Ladder(config, "moved", ["train.micro_batch_size=2"], ("host_kernel", "host"),
+  ladder = Ladder(config, "moved", ["train.micro_batch_size=2"], ("host_kernel", "host"),
                       MACHINE, None, 0)
-  row = ladder.least(fit.Budgets(device=10**12, host=10**12))
+  row = ladder.least(Budgets(device=10**12, host=10**12))
   assert row.micro_batch_size == 2
   assert row.verdict.startswith("refused: model.cpu_offloading_double_buffering=True runs the "
                                 "model a program per layer: with several micro-batches")
@@ -258,11 +260,11 @@ def test_a_moved_ladders_peak_counts_the_originals_the_link_leaves_on_the_device
   config = load_config(None, ["train.global_batch_size=4", "train.micro_batch_size=4",
                               "model.cpu_offloading=True", "model.cpu_offloading_num_layers=3",
                               "model.cpu_offloading_double_buffering=True"])
-  budgets = fit.Budgets(device=10**12, host=10**12)
+  budgets = Budgets(device=10**12, host=10**12)
   peaks = []
   # A link fast enough to keep up, and one so slow that no copy out ends in the step.
   for machine in (MACHINE, dataclasses.replace(MACHINE, device_to_host=1.0, host_to_device=1.0)):
-    ladder = fit.Ladder(config, "moved", [], ("device", None), machine, CALIBRATION, 0)
+    ladder = Ladder(config, "moved", [], ("device", None), machine, CALIBRATION, 0)
     ladder.least(budgets)
     with Peaks() as compiled:
       ladder.predict(budgets, compiled)
@@ -290,14 +292,14 @@ def test_a_ladder_predicts_its_peak_from_two_shallow_depths_then_compiles_where_
   monkeypatch.setattr(Trainer, "compile", compile)
   config = load_config(None, ["train.global_batch_size=4", "train.micro_batch_size=4",
                               "model.num_layers=8"])
-  ladder = fit.Ladder(config, "as configured", [], ("device", None), MACHINE, None, 0)
-  budgets = fit.Budgets(device=int(peak(ladder.resident_bytes(0) * 0.6, 8) / 0.95),
+  ladder = Ladder(config, "as configured", [], ("device", None), MACHINE, None, 0)
+  budgets = Budgets(device=int(peak(ladder.resident_bytes(0) * 0.6, 8) / 0.95),
                         host=10**12)
   assert ladder.least(budgets).verdict == ""
   with Peaks(threads=1) as peaks:
     assert ladder.predict(budgets, peaks).verdict == ""  # Predicted, not yet compiled.
     # The most offload at 2 and 4 layers; the whole model not yet.
-    assert [layers for layers, _ in compiles] == list(fit.SHALLOW)
+    assert [layers for layers, _ in compiles] == list(SHALLOW)
     row = ladder.verify(budgets, peaks)
   least = next(step for step in range(9)
                if peak(ladder.resident_bytes(step), 8) <= 0.95 * budgets.device)
@@ -320,8 +322,8 @@ def test_the_line_through_two_shallow_depths_predicts_the_whole_models_compiled_
   config = load_config(None, ["model.num_layers=10", "train.global_batch_size=8",
                               "train.micro_batch_size=2"])
   overrides = search.activation_settings(config, backend="gpu")[setting]
-  ladder = fit.Ladder(config, setting, list(overrides), place, MACHINE, None, 0)
-  assert ladder.least(fit.Budgets(device=10**12, host=10**13)).verdict == ""
+  ladder = Ladder(config, setting, list(overrides), place, MACHINE, None, 0)
+  assert ladder.least(Budgets(device=10**12, host=10**13)).verdict == ""
   with Peaks() as peaks:
     predicted = ladder.others(peaks)
     setup, candidate = ladder.judge(ladder.steps)

@@ -28,7 +28,8 @@ offload alone (``jaxoffload.train.fit``, whose ladders and search this one exten
 
 from jaxoffload.plan.search import activation_settings, plan, table
 from jaxoffload.plan.timing import calibrate
-from jaxoffload.train.fit import Budgets, Candidate, budgets_of, fastest_offload
+from jaxoffload.train.fit import budgets_of, fastest_offload
+from jaxoffload.train.ladder import Budgets, Candidate
 from jaxoffload.train.step_time import Calibration, predict_s
 
 __all__ = ["Budgets", "Calibration", "Candidate", "activation_settings", "budgets_of",

@@ -1,6 +1,6 @@
 """The planner's wider search: the activation settings, micro-batch sizes and moment
-storages it tries besides the offload (``train.fit``'s ladders, searched the same way),
-and its table."""
+storages it tries besides the offload (``train.ladder``'s ladders, searched by
+``train.fit``), and its table."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from jaxoffload.plan import xla_logs
 from jaxoffload.plan.timing import calibrate
 from jaxoffload.train import fit, host_memory
 from jaxoffload.train.config import Config, ConfigError
-from jaxoffload.train.fit import Budgets, Candidate, Log
+from jaxoffload.train.fit import Log
+from jaxoffload.train.ladder import Budgets, Candidate, Ladder
 from jaxoffload.train.loading import override
 from jaxoffload.train.rules import GRAD_SUMS_PLACES, moment_dtypes
 from jaxoffload.train.update_place import kernel_formats
@@ -82,7 +83,7 @@ def plan(config: Config, budgets: Budgets, *, explore: bool = True, compact: boo
 
   Each combination of activation setting, micro-batch size and update placement
   (with the host kernel and accumulation, and where its leaves' gradients are summed)
-  is a ladder of offload fractions in layer-sized steps (``train.fit.Ladder``), and
+  is a ladder of offload fractions in layer-sized steps (``train.ladder.Ladder``), and
   ``train.fit.search`` finds the fastest that fits, compiling as few as it can (none where
   the device's budget is unknown); where nothing does, the ladders of each smaller moment
   storage are searched the same way. XLA's log lines meanwhile are dropped (``xla_logs``).
@@ -126,7 +127,7 @@ def plan(config: Config, budgets: Budgets, *, explore: bool = True, compact: boo
   for moments in _moment_settings(config, compact):
     # The device's streamed update cannot keep 8-bit blocks (rules).
     kept = [p for p in places if not (p == "device" and "int8" in " ".join(moments))]
-    ladders = [fit.Ladder(config, name, list(o) + [f"train.micro_batch_size={size}"] + moments,
+    ladders = [Ladder(config, name, list(o) + [f"train.micro_batch_size={size}"] + moments,
                           (place, at), machine, calibration, baseline)
                for name, o in settings.items() for size in sizes for place in kept
                for at in sums(place, size)]

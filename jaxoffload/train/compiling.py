@@ -6,13 +6,12 @@ the time of one: ``Peaks`` lets a search ask for the steps it will likely judge 
 it waits for the one it judges now. These compiles skip autotuning: it would time kernels
 on the device, under the other compiles' load, and keep its picks for the process's own
 step; what it picks changes the step's buffers little (a matrix product's workspace),
-within the search's headroom (``fit.DEVICE_HEADROOM``).
+within the search's headroom (``ladder.DEVICE_HEADROOM``).
 """
 
 from __future__ import annotations
 
 import os
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Hashable, Optional
 
@@ -67,23 +66,12 @@ class Peaks:
   def __exit__(self, *exc) -> None:
     self._pool.shutdown(wait=True, cancel_futures=True)
 
-  @property
-  def compile_seconds(self) -> list[float]:
-    """The seconds of each compile finished so far."""
-    return [f.result()[1] for f in self._futures.values()
-            if f.done() and not f.cancelled() and f.exception() is None]
-
   def ask(self, key: Hashable, setup: Setup) -> None:
     """Starts compiling ``setup``'s step unless it was asked for under ``key`` before."""
     if key not in self._futures:
-      self._futures[key] = self._pool.submit(_timed, setup)
+      self._futures[key] = self._pool.submit(step_peak, setup)
 
   def get(self, key: Hashable, setup: Setup) -> int:
     """The device peak of ``setup``'s step, compiled (once) under ``key``."""
     self.ask(key, setup)
-    return self._futures[key].result()[0]
-
-
-def _timed(setup: Setup) -> tuple[int, float]:
-  start = time.perf_counter()
-  return step_peak(setup), time.perf_counter() - start
+    return self._futures[key].result()
