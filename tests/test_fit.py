@@ -314,15 +314,14 @@ def test_a_ladder_predicts_its_peak_from_two_shallow_depths_then_compiles_where_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("setting, place", [
-    ("recompute selectively", ("device", None)),
-    ("offload qkv, 9 layers", ("host_kernel", "host"))])
-def test_the_line_through_two_shallow_depths_predicts_the_whole_models_compiled_peak(
-    setting, place):
-  config = load_config(None, ["model.num_layers=10", "train.global_batch_size=8",
+def test_the_line_through_two_shallow_depths_predicts_the_whole_models_compiled_peak():
+  # XLA's offload of q/k/v, whose copies need a few layers to take the schedule they keep,
+  # with the host kernel's gradients summed on the host.
+  config = load_config(None, ["model.num_layers=8", "train.global_batch_size=8",
                               "train.micro_batch_size=2"])
+  setting = "offload qkv, 7 layers"
   overrides = search.activation_settings(config, backend="gpu")[setting]
-  ladder = Ladder(config, setting, list(overrides), place, MACHINE, None, 0)
+  ladder = Ladder(config, setting, list(overrides), ("host_kernel", "host"), MACHINE, None, 0)
   assert ladder.least(Budgets(device=10**12, host=10**13)).verdict == ""
   with Peaks() as peaks:
     predicted = ladder.others(peaks)
