@@ -100,14 +100,14 @@ def search(ladders: list[Ladder], budgets: Budgets) -> tuple[Optional[Candidate]
 
   Best first, by a bound on each ladder's step time that tightens as it is compiled: at
   first its least fraction whose state alone fits (found without compiling); once its
-  most offload's peak is predicted (``Ladder.others``: compiled at two shallow depths; if
-  that peak does not fit, neither does a larger micro-batch of its activation setting), a
-  layer-sized step below where that peak predicts the least fit (``Ladder.predict``: a
-  bound if the prediction errs by no more than that step); then the fit itself, compiled
-  there (``Ladder.verify``). The search stops once the pick is faster than every bound
-  left; where the device's budget is unknown, nothing is compiled. Meanwhile what the
-  next ladders in line would compile first is compiled on other threads
-  (``compiling.Peaks``): the outcome is the same.
+  most offload's peak is predicted (``Ladder.others``: compiled at two shallow depths;
+  if that peak, compiled whole, does not fit, neither does a larger micro-batch of its
+  activation setting), a layer-sized step below where that peak predicts the least fit
+  (``Ladder.predict``: a bound if the prediction errs by no more than that step); then
+  the fit itself, compiled there (``Ladder.verify``). The search stops once the pick is
+  faster than every bound left; where the device's budget is unknown, nothing is
+  compiled. Meanwhile what the next ladders in line would compile first is compiled on
+  other threads (``compiling.Peaks``): the outcome is the same.
   """
   rows = {n: ladder.least(budgets) for n, ladder in enumerate(ladders)}
   # Per activation setting and placement, the least micro-batch that cannot fit.
@@ -138,7 +138,7 @@ def search(ladders: list[Ladder], budgets: Budgets) -> tuple[Optional[Candidate]
                                                    "not fit the device")
       else:
         rows[n] = ladder.predict(budgets, peaks)
-        if rows[n].verdict.startswith("no: device"):
+        if rows[n].verdict == "no: device":
           setting = row.activations, ladder.place
           too_large[setting] = min(row.micro_batch_size, too_large.get(setting, math.inf))
         elif not rows[n].verdict:  # Predicted where the device's budget is known.

@@ -143,9 +143,9 @@ class Ladder:
         candidate, verdict="no: host")
 
   def predict(self, budgets: Budgets, peaks: Peaks) -> Candidate:
-    """The most offload's peak predicted: its row where it does not fit the device (then
-    nothing does); else the least offload that peak predicts to fit, not yet compiled (its
-    verdict empty; ``bound``, ``verify``). What the step holds beyond its resident state
+    """The most offload's peak predicted (``others``), and compiled where that does not fit
+    the device: its row where it does not fit (then nothing does); else the least offload
+    that peak predicts to fit, not yet compiled (its verdict empty; ``bound``, ``verify``). What the step holds beyond its resident state
     (activations, gradients, temporaries: ``others``), with another fraction's resident
     state, predicts that fraction's peak. ``peaks`` holds the device peaks compiled so far,
     by overrides, and gets this ladder's. Where the device's budget is unknown (CPUs)
@@ -156,38 +156,42 @@ class Ladder:
                                  else "no: host")
     self._compiled = {}
     others = self.others(peaks)
-    row = lambda step: dataclasses.replace(self.judge(step)[1],
-                                           device_bytes=others + self.resident_bytes(step))
-    if not budgets.fits_device(row(self.steps)):
-      return dataclasses.replace(row(self.steps), verdict="no: device (predicted)")
-    self._guess = _first(self._least, self.steps, lambda step: budgets.fits_device(row(step)))
+    if not budgets.fits_device(dataclasses.replace(
+        self.judge(self.steps)[1], device_bytes=others + self.resident_bytes(self.steps))):
+      # Ruled out only once compiled whole: a line drawn from shallow depths may err.
+      if not self._fits(self.steps, budgets, peaks):
+        return dataclasses.replace(self._compiled[self.steps], verdict="no: device")
+      others = self._compiled[self.steps].device_bytes - self.resident_bytes(self.steps)
+    fits = lambda step: budgets.fits_device(dataclasses.replace(
+        self.judge(step)[1], device_bytes=others + self.resident_bytes(step)))
+    self._guess = _first(self._least, self.steps, fits)
     return self.judge(self._guess)[1]
 
   def others(self, peaks: Peaks) -> int:
     """What the step at the most offload holds on the device beyond its resident state,
     and the moved activations' originals the link leaves there (``step_time.moved_copies``).
-    Compiled at two shallow depths (``SHALLOW``) and drawn to the model's by a line: one
-    program's activations, gradients and their sums grow a layer at a time. Compiled
-    itself: a model no deeper, one whose shallow versions the rules refuse, and a step run
-    a program per layer (it holds the larger of what a layer's programs and the update
-    need, which the line would not follow; its programs are a layer's, quick to compile)."""
+    Compiled at two shallow depths (``SHALLOW``) and drawn to the model's by a line, each
+    phase of the step on its own (a program per layer holds the larger of what the layers'
+    programs and the update need): activations, gradients and their sums grow a layer at
+    a time. A model no deeper, or one whose shallow versions the rules refuse, is
+    compiled itself."""
     setup, candidate = self.judge(self.steps)
     moved = self.calibration and moved_copies(setup, self.calibration, self.machine)
     moved = moved.held_bytes if moved else 0
     pair = self._shallow_pair()
     if not pair:
-      return peaks.get(candidate.overrides, setup) - self.resident_bytes(self.steps) + moved
+      return max(peaks.get(candidate.overrides, setup)) - self.resident_bytes(self.steps) + moved
     for key, small in pair:
       peaks.ask(key, small)
-    one, two = (peaks.get(key, small) - resident_device_bytes(Trainer.from_shapes(small))
-                for key, small in pair)
-    per_layer = (two - one) / (SHALLOW[1] - SHALLOW[0])
-    return round(one + per_layer * (self.steps - SHALLOW[0])) + moved
+    one, two = ([peak - resident_device_bytes(Trainer.from_shapes(small))
+                 for peak in peaks.get(key, small)] for key, small in pair)
+    steps = (self.steps - SHALLOW[0]) / (SHALLOW[1] - SHALLOW[0])
+    return round(max(a + (b - a) * steps for a, b in zip(one, two))) + moved
 
   def _shallow_pair(self) -> list[tuple[tuple[str, ...], Setup]]:
     """The most offload's versions at ``SHALLOW``'s depths, with their keys; none where
     ``others`` compiles the model itself."""
-    if self.steps <= SHALLOW[-1] or self.judge(self.steps)[0].runs_per_layer:
+    if self.steps <= SHALLOW[-1]:
       return []
     pair = [self._shallow(depth) for depth in SHALLOW]
     return [] if None in pair else pair
@@ -259,7 +263,7 @@ class Ladder:
     that the link leaves on the device (``step_time.moved_copies``)."""
     setup, candidate = self.judge(step)
     moved = self.calibration and moved_copies(setup, self.calibration, self.machine)
-    peak = peaks.get(candidate.overrides, setup) + (moved.held_bytes if moved else 0)
+    peak = max(peaks.get(candidate.overrides, setup)) + (moved.held_bytes if moved else 0)
     self._compiled[step] = dataclasses.replace(candidate, device_bytes=peak)
     return budgets.fits_device(self._compiled[step])
 

@@ -44,11 +44,14 @@ class CompiledStep(NamedTuple):
       outputs and temporaries (aliased donations once), with the state that stays
       in device memory beside it.
     host_temp_bytes: the largest program's host temporaries.
+    phase_bytes: where the step's programs take turns (the micro-batches and the
+      update), each one's peak, whose largest is ``device_bytes``; empty for one program.
   """
 
   programs: tuple[jax.stages.Compiled, ...]
   device_bytes: int
   host_temp_bytes: int
+  phase_bytes: tuple[int, ...] = ()
 
 
 class Trainer:
@@ -138,9 +141,10 @@ class Trainer:
     micro, update = (program.memory_analysis() for program in self._compiled)
     # The optimizer state stays in device memory while the micro-batches run.
     resident = _device_bytes(self.opt_state)
-    return CompiledStep(self._compiled, max(compiled_device_bytes(micro) + resident,
-                                            compiled_device_bytes(update)),
-                        max(micro.host_temp_size_in_bytes, update.host_temp_size_in_bytes))
+    phases = compiled_device_bytes(micro) + resident, compiled_device_bytes(update)
+    return CompiledStep(self._compiled, max(phases),
+                        max(micro.host_temp_size_in_bytes, update.host_temp_size_in_bytes),
+                        phases)
 
   def _compile_overlapped(self, tokens: jax.Array, compiler_options: Optional[dict]
                           ) -> CompiledStep:
@@ -156,7 +160,8 @@ class Trainer:
     backward = (_device_bytes((self.params, self.opt_state)) + held
                 + max(a.temp_size_in_bytes for a in analyses.values()))
     host_temp = max(a.host_temp_size_in_bytes for a in (update, *analyses.values()))
-    return CompiledStep(self._compiled, max(compiled_device_bytes(update), backward), host_temp)
+    phases = backward, compiled_device_bytes(update)
+    return CompiledStep(self._compiled, max(phases), host_temp, phases)
 
   def step(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
     """One update from ``tokens``; returns the loss (before the update) and the gradients'
