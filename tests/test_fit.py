@@ -12,6 +12,7 @@ from jaxoffload.memory import offloaded_activation_bytes
 from jaxoffload.plan import search
 from jaxoffload.train import compiling, fit, load_config, resolve, train
 from jaxoffload.train.compiling import Peaks
+from jaxoffload.train import ladder as ladders
 from jaxoffload.train.ladder import (HOST_HEADROOM, SHALLOW, Budgets, Candidate, Ladder,
                                      offload_overrides)
 from jaxoffload.train.step import CompiledStep, Trainer, resident_device_bytes
@@ -290,6 +291,7 @@ def test_a_ladder_predicts_its_peak_from_two_shallow_depths_then_compiles_where_
     return CompiledStep((), peak(compiles[-1][1], compiles[-1][0]), 0)
 
   monkeypatch.setattr(Trainer, "compile", compile)
+  monkeypatch.setattr(ladders, "DEEP", 8)  # 8 layers predicted as a deeper model would be.
   config = load_config(None, ["train.global_batch_size=4", "train.micro_batch_size=4",
                               "model.num_layers=8"])
   ladder = Ladder(config, "as configured", [], ("device", None), MACHINE, None, 0)
@@ -323,6 +325,7 @@ def test_each_phase_of_a_step_is_drawn_to_the_models_depth_on_its_own(monkeypatc
     return CompiledStep((), max(phases), 0, phases)
 
   monkeypatch.setattr(Trainer, "compile", compile)
+  monkeypatch.setattr(ladders, "DEEP", 8)  # 8 layers predicted as a deeper model would be.
   config = load_config(None, ["train.global_batch_size=4", "train.micro_batch_size=4",
                               "model.num_layers=8"])
   ladder = Ladder(config, "as configured", [], ("device", None), MACHINE, None, 0)
@@ -332,9 +335,12 @@ def test_each_phase_of_a_step_is_drawn_to_the_models_depth_on_its_own(monkeypatc
 
 
 @pytest.mark.slow
-def test_the_line_through_two_shallow_depths_predicts_the_whole_models_compiled_peak():
+def test_the_line_through_two_shallow_depths_predicts_the_whole_models_compiled_peak(
+    monkeypatch):
   # XLA's offload of q/k/v, whose copies need a few layers to take the schedule they keep,
-  # with the host kernel's gradients summed on the host.
+  # with the host kernel's gradients summed on the host; 8 layers predicted as a deeper
+  # model would be.
+  monkeypatch.setattr(ladders, "DEEP", 8)
   config = load_config(None, ["model.num_layers=8", "train.global_batch_size=8",
                               "train.micro_batch_size=2"])
   setting = "offload qkv, 7 layers"

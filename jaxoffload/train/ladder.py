@@ -26,6 +26,9 @@ HOST_HEADROOM = 0.10  # The guard's arithmetic leaves out allocator growth it ca
 # The depths a ladder's step is compiled at to predict its peak at any depth (``Ladder.others``):
 # deep enough that XLA's offload copies reach the schedule they keep in deeper models.
 SHALLOW = (4, 6)
+# The least depth predicted from ``SHALLOW``: below it the two shallow compiles cost more than
+# the model's own.
+DEEP = 2 * sum(SHALLOW)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,8 +176,8 @@ class Ladder:
     Compiled at two shallow depths (``SHALLOW``) and drawn to the model's by a line, each
     phase of the step on its own (a program per layer holds the larger of what the layers'
     programs and the update need): activations, gradients and their sums grow a layer at
-    a time. A model no deeper, or one whose shallow versions the rules refuse, is
-    compiled itself."""
+    a time. A model shallower than ``DEEP``, or one whose shallow versions the rules
+    refuse, is compiled itself."""
     setup, candidate = self.judge(self.steps)
     moved = self.calibration and moved_copies(setup, self.calibration, self.machine)
     moved = moved.held_bytes if moved else 0
@@ -191,7 +194,7 @@ class Ladder:
   def _shallow_pair(self) -> list[tuple[tuple[str, ...], Setup]]:
     """The most offload's versions at ``SHALLOW``'s depths, with their keys; none where
     ``others`` compiles the model itself."""
-    if self.steps <= SHALLOW[-1]:
+    if self.steps < DEEP:
       return []
     pair = [self._shallow(depth) for depth in SHALLOW]
     return [] if None in pair else pair
