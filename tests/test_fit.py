@@ -334,6 +334,28 @@ def test_each_phase_of_a_step_is_drawn_to_the_models_depth_on_its_own(monkeypatc
     assert ladder.others(peaks) == 3 * 10**6 * 8 + 10**6
 
 
+def test_a_setting_the_line_rules_out_is_compiled_whole_before_it_is(monkeypatch):
+  # The shallow depths hold 50 MB a layer beside their state, the whole model 1 MB: the line
+  # predicts no fit at the most offload, the whole model fits.
+  def compile(self, tokens, **_):
+    layers = self.setup.model.num_layers
+    return CompiledStep((), resident_device_bytes(self) + (10**6 if layers == 8 else
+                                                           5 * 10**7 * layers), 0)
+
+  monkeypatch.setattr(Trainer, "compile", compile)
+  monkeypatch.setattr(ladders, "DEEP", 8)
+  config = load_config(None, ["train.global_batch_size=4", "train.micro_batch_size=4",
+                              "model.num_layers=8"])
+  ladder = Ladder(config, "as configured", [], ("device", None), MACHINE, None, 0)
+  budgets = Budgets(device=int((ladder.resident_bytes(0) + 10**6) / 0.95), host=10**12)
+  ladder.least(budgets)
+  with Peaks(threads=1) as peaks:
+    assert ladder.predict(budgets, peaks).verdict == ""  # A guess, not "no: device".
+    row = ladder.verify(budgets, peaks)
+  assert row.verdict == "fits" and row.device_bytes == ladder.resident_bytes(
+      round(row.fraction * 8)) + 10**6
+
+
 @pytest.mark.slow
 def test_the_line_through_two_shallow_depths_predicts_the_whole_models_compiled_peak(
     monkeypatch):

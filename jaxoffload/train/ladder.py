@@ -26,8 +26,8 @@ HOST_HEADROOM = 0.10  # The guard's arithmetic leaves out allocator growth it ca
 # The depths a ladder's step is compiled at to predict its peak at any depth (``Ladder.others``):
 # deep enough that XLA's offload copies reach the schedule they keep in deeper models.
 SHALLOW = (4, 6)
-# The least depth predicted from ``SHALLOW``: below it the two shallow compiles cost more than
-# the model's own.
+# The least depth predicted from ``SHALLOW``: the search compiles a model whole where it
+# predicts a fit anyway, so the shallow compiles pay where they are well under one whole one.
 DEEP = 2 * sum(SHALLOW)
 
 
@@ -148,11 +148,12 @@ class Ladder:
   def predict(self, budgets: Budgets, peaks: Peaks) -> Candidate:
     """The most offload's peak predicted (``others``), and compiled where that does not fit
     the device: its row where it does not fit (then nothing does); else the least offload
-    that peak predicts to fit, not yet compiled (its verdict empty; ``bound``, ``verify``). What the step holds beyond its resident state
-    (activations, gradients, temporaries: ``others``), with another fraction's resident
-    state, predicts that fraction's peak. ``peaks`` holds the device peaks compiled so far,
-    by overrides, and gets this ladder's. Where the device's budget is unknown (CPUs)
-    nothing is compiled: the least offload, judged by the host alone."""
+    that peak predicts to fit, not yet compiled (its verdict empty; ``bound``, ``verify``).
+    What the step holds beyond its resident state (activations, gradients, temporaries:
+    ``others``), with another fraction's resident state, predicts that fraction's peak.
+    ``peaks`` holds the device peaks compiled so far, by overrides, and gets this ladder's.
+    Where the device's budget is unknown (CPUs) nothing is compiled: the least offload,
+    judged by the host alone."""
     if budgets.device is None:  # No budget to judge a peak against: the least offload wins.
       candidate = self.judge(self._least)[1]
       return dataclasses.replace(candidate, verdict="fits" if budgets.fits_host(candidate)
@@ -178,18 +179,16 @@ class Ladder:
     programs and the update need): activations, gradients and their sums grow a layer at
     a time. A model shallower than ``DEEP``, or one whose shallow versions the rules
     refuse, is compiled itself."""
-    setup, candidate = self.judge(self.steps)
-    moved = self.calibration and moved_copies(setup, self.calibration, self.machine)
-    moved = moved.held_bytes if moved else 0
     pair = self._shallow_pair()
     if not pair:
-      return max(peaks.get(candidate.overrides, setup)) - self.resident_bytes(self.steps) + moved
+      return self._peak(self.steps, peaks) - self.resident_bytes(self.steps)
     for key, small in pair:
       peaks.ask(key, small)
     one, two = ([peak - resident_device_bytes(Trainer.from_shapes(small))
                  for peak in peaks.get(key, small)] for key, small in pair)
     steps = (self.steps - SHALLOW[0]) / (SHALLOW[1] - SHALLOW[0])
-    return round(max(a + (b - a) * steps for a, b in zip(one, two))) + moved
+    return round(max(a + (b - a) * steps for a, b in zip(one, two))) + self._moved_bytes(
+        self.steps)
 
   def _shallow_pair(self) -> list[tuple[tuple[str, ...], Setup]]:
     """The most offload's versions at ``SHALLOW``'s depths, with their keys; none where
@@ -261,14 +260,24 @@ class Ladder:
       peaks.ask(judged[1].overrides, judged[0])
 
   def _fits(self, step: int, budgets: Budgets, peaks: Peaks) -> bool:
-    """Whether step ``step``'s compiled peak fits the device; its row, with that peak, kept
-    in ``_compiled``. With a calibration, the peak counts the moved activations' originals
-    that the link leaves on the device (``step_time.moved_copies``)."""
-    setup, candidate = self.judge(step)
-    moved = self.calibration and moved_copies(setup, self.calibration, self.machine)
-    peak = max(peaks.get(candidate.overrides, setup)) + (moved.held_bytes if moved else 0)
-    self._compiled[step] = dataclasses.replace(candidate, device_bytes=peak)
+    """Whether step ``step``'s compiled peak (``_peak``) fits the device; its row, with that
+    peak, kept in ``_compiled``."""
+    self._compiled[step] = dataclasses.replace(self.judge(step)[1],
+                                               device_bytes=self._peak(step, peaks))
     return budgets.fits_device(self._compiled[step])
+
+  def _peak(self, step: int, peaks: Peaks) -> int:
+    """Step ``step``'s compiled device peak, with the moved activations' originals that the
+    link leaves on the device."""
+    setup, candidate = self.judge(step)
+    return max(peaks.get(candidate.overrides, setup)) + self._moved_bytes(step)
+
+  def _moved_bytes(self, step: int) -> int:
+    """With a calibration, the moved activations' originals of step ``step`` that the link
+    leaves on the device (``step_time.moved_copies``)."""
+    moved = self.calibration and moved_copies(self.judge(step)[0], self.calibration,
+                                              self.machine)
+    return moved.held_bytes if moved else 0
 
   def resident_bytes(self, step: int) -> int:
     """The device bytes step ``step``'s parameters and optimizer state hold between steps."""
