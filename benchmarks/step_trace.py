@@ -13,8 +13,10 @@ and reports, for each traced step (``Trainer.step``, up to the next one's start)
   name: a call inside another counts in both;
 - the outermost of those calls longer than ``--min-ms``, in order, with their
   start in the step (in the JSON);
-- on a GPU, the device's busy time between this step's start and the next's,
-  and its idle gaps longer than 1 ms: where the device waited for the host.
+- on a GPU, the compute stream's busy time between this step's start and the
+  next's, and its idle gaps longer than 1 ms: where the device's compute waited
+  for the host or for a transfer (the copy streams' time is left out: it may run
+  beside the compute, or be what the compute waits for).
 """
 
 from __future__ import annotations
@@ -87,9 +89,9 @@ def main() -> None:
   host, device = [], []
   for plane in jax.profiler.ProfileData.from_file(sorted(paths)[-1]).planes:
     for line in plane.lines:
-      if line.name == "python":
+      if line.name.startswith("python"):  # The Python tracer's thread, named as the binary.
         host += [(e.start_ns, e.duration_ns, e.name) for e in line.events]
-      elif plane.name.startswith("/device:") and "Stream" in line.name:
+      elif plane.name.startswith("/device:") and "Compute" in line.name:
         device += [(e.start_ns, e.start_ns + e.duration_ns) for e in line.events]
   host.sort()
   device.sort()
@@ -112,13 +114,13 @@ def main() -> None:
     busy, gaps = device_gaps(device, step[0], end)
     results.append({"step": k, "ms": round(step[1] / 1e6, 1),
                     "time_by_call_ms": {n: round(t, 1) for n, t in totals.most_common()},
-                    "long_calls": calls, "device_busy_ms": round(busy, 1) if device else None,
+                    "long_calls": calls, "compute_busy_ms": round(busy, 1) if device else None,
                     "device_window_ms": round((end - step[0]) / 1e6, 1), "device_gaps": gaps})
     lines += [f"## Traced step {k}: {step[1] / 1e6:.1f} ms on the host", "",
               "| call (summed) | ms |", "|---|---|"]
     lines += [f"| `{n}` | {t:.1f} |" for n, t in totals.most_common(12)]
     if device:
-      lines += ["", f"Device busy {busy:.1f} of {(end - step[0]) / 1e6:.1f} ms; idle gaps over "
+      lines += ["", f"Compute busy {busy:.1f} of {(end - step[0]) / 1e6:.1f} ms; idle gaps over "
                     f"1 ms (at ms, ms long): {gaps}"]
     lines += [""]
   meta = metadata(sys.argv)
