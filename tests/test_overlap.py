@@ -346,8 +346,8 @@ def test_unclipped_offloaded_weights_update_a_layer_at_a_time_as_in_one_program(
       backward, write = piece.backward[False], piece.write_layer
 
       def recorded(name, last, *args):
-        if args[-1] is not None:
-          written.append(("backward", int(args[2]), int(args[-1][2])))
+        if args[-1] is not None:  # It writes the layer above its own.
+          written.append(("backward", int(args[2])))
         return backward(name, last, *args)
 
       piece.backward[False] = recorded
@@ -366,4 +366,22 @@ def test_unclipped_offloaded_weights_update_a_layer_at_a_time_as_in_one_program(
       "pinned_host"}
   # Each step, layer 0's backward program writes layer 1 into the stacks, and a program of
   # its own layer 0 after it.
-  assert written == 3 * [("backward", 0, 1), ("its own", None, 0)]
+  assert written == 3 * [("backward", 0), ("its own", None, 0)]
+
+
+def test_the_overlapped_steps_programs_take_their_integers_on_the_device():
+  # A NumPy integer would cross the link as its program is called, on the stream that
+  # carries the layers sent ahead, and the program would wait behind them.
+  setup = resolve(load_config(None, [*MOVED, "model.cpu_offloading_weights=True",
+                                     "optimizer.clip_grad=0", "train.micro_batch_size=4"]))
+  trainer = Trainer(setup)
+  trainer.compile(setup.global_batch(0))
+  programs, taken = trainer.overlapped._compiled, []
+  for key, program in programs.items():
+    programs[key] = lambda *args, program=program, key=key: (
+        taken.append((key, jax.tree.leaves(args))), program(*args))[1]
+  trainer.step(setup.global_batch(0))
+  # Layers' indices, micro-batches' and the written layer's among them.
+  assert {"forward layers_0_2", "backward layers_0_2 last writing", "update layers_0_2",
+          "write layers_0_2"} <= {key for key, _ in taken}
+  assert [key for key, leaves in taken if any(isinstance(x, np.generic) for x in leaves)] == []

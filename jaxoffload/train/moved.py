@@ -36,6 +36,7 @@ import collections
 from typing import Any, Optional
 
 import jax
+import numpy as np
 
 from jaxoffload._compat import DEVICE_KIND, PINNED_HOST
 from jaxoffload.host_adam import writable_view
@@ -43,6 +44,32 @@ from jaxoffload.host_adam import writable_view
 # How many programs the dispatching thread may run ahead of the device while activations
 # move: two keep one queued behind the one running.
 PROGRAMS_AHEAD = 2
+
+
+class DeviceScalars:
+  """The small integers a step's programs take (a layer's index, a micro-batch's), each on
+  the device once, replicated over ``mesh``. A NumPy integer would cross the link as its
+  program is called, on the stream that carries the layers sent ahead, and the program
+  would wait behind them.
+
+  Example:
+    >>> scalars = DeviceScalars(mesh)
+    >>> y, kept = pieces.forward("layers", device, fetched, scalars(3), x)
+  """
+
+  def __init__(self, mesh: jax.sharding.Mesh):
+    self._sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    self._made: dict[int, jax.Array] = {}
+
+  def __call__(self, value: int) -> jax.Array:
+    if value not in self._made:
+      self._made[value] = jax.device_put(np.int32(value), self._sharding)
+    return self._made[value]
+
+  def shape(self, value: int) -> jax.ShapeDtypeStruct:
+    """What ``self(value)`` is, for compiling without placing it."""
+    del value  # Every one alike.
+    return jax.ShapeDtypeStruct((), np.int32, sharding=self._sharding)
 
 
 def placed(arrays: list, memory_kind: str) -> list:

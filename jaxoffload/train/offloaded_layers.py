@@ -17,7 +17,8 @@ where the update needs the global norm first. The sends read each stack through 
 taken before any write (``moved.pinned_views``).
 
 Example:
-  >>> layers = OffloadedLayers(piece, device_leaves, host_params, host, run, opt_state)
+  >>> layers = OffloadedLayers(piece, device_leaves, host_params, host, run, scalars,
+  ...                          opt_state)
   >>> device, fetched = layers.get("layers_0_20", 3, forward=True)
   >>> written = layers.pending("layers_0_20")  # For layer 3's backward program to write.
   >>> grads = layers.update("layers_0_20", 3, device, grads, stacks)  # That program's.
@@ -32,7 +33,6 @@ from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from optax import tree_utils as otu
 
@@ -95,15 +95,16 @@ class OffloadedLayers:
     host: the host kernel (None: none, or compiling); its held update of a layer is applied
       before the layer is sent for a forward program.
     run: runs one program (``OverlappedStep``'s).
+    scalars: an index's integer for a program (``moved.DeviceScalars``).
     opt_state: the device optimizer's state, whose moments of the groups updated here
       are taken out for the step (``with_moments`` puts them back).
     count: its update count, where the step has it already.
   """
 
   def __init__(self, piece: Any, device_leaves: list, host_params: list, host: Any,
-               run: Callable, opt_state: Any, count: Optional[Any] = None):
+               run: Callable, scalars: Callable, opt_state: Any, count: Optional[Any] = None):
     self.piece, self.device_leaves, self.host_params = piece, list(device_leaves), host_params
-    self.host, self.run = host, run
+    self.host, self.run, self.scalars = host, run, scalars
     self._ahead: dict = {}  # Per layer (group, index), its leaves on their way over.
     # Per stack sent from (device leaves' or host kernel's, position), its views, taken
     # before any write; and the stacks they view, alive until the step ends.
@@ -148,12 +149,16 @@ class OffloadedLayers:
             send(self.host_params, self.piece.host_ids.get(name, []), "host"))
 
   def pending(self, name: str) -> Optional[tuple]:
-    """What the next backward program of group ``name`` writes: ``(its stacks, the last
-    updated layer's new weights, its index)``, given up to that program; None if nothing."""
+    """What the next backward program of group ``name`` writes, at the index above its own:
+    ``(its stacks, the last updated layer's new weights)``, given up to that program; None
+    if nothing."""
     if name not in self._pending:
       return None
-    index, new = self._pending.pop(name)
-    return [self.device_leaves[i] for i in self.piece.device_ids[name]], new, np.int32(index)
+    return self._stacks_of(name), self._pending.pop(name)[1]
+
+  def _stacks_of(self, name: str) -> list:
+    """Group ``name``'s stacks of the device optimizer's leaves, as the last program left them."""
+    return [self.device_leaves[i] for i in self.piece.device_ids[name]]
 
   def update(self, name: str, index: int, weights: list, grads: dict,
              stacks: Optional[list] = None) -> dict:
@@ -169,7 +174,7 @@ class OffloadedLayers:
     host, square_sum, device = grads[name]
     new, mu, nu, squares = self.run(f"update {name}", self.piece.layer_update, (name,),
                                     weights, device, *self._moments[name], self._count,
-                                    np.int32(index))
+                                    self.scalars(index))
     self._moments[name] = mu, nu
     self._pending[name] = index, new
     if isinstance(squares, jax.Array):  # Not shapes, while compiling.
@@ -197,9 +202,10 @@ class OffloadedLayers:
   def finish(self, device_leaves: list) -> list:
     """After the step's update program: ``device_leaves`` (its outputs) with the updated
     groups' stacks, their last layers written."""
-    for name in list(self._pending):
+    for name, (index, new) in self._pending.items():
       self._replace(name, self.run(f"write {name}", self.piece.write_layer, (),
-                                   *self.pending(name)))
+                                   self._stacks_of(name), new, self.scalars(index)))
+    self._pending.clear()
     device_leaves = list(device_leaves)
     for name in self._moments:
       for i in self.piece.device_ids[name]:

@@ -50,13 +50,12 @@ import functools
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
-import numpy as np
 
 from jaxoffload import layered
 from jaxoffload._compat import PINNED_HOST
 from jaxoffload.host_offload import HostAdamW
 from jaxoffload.train.held_bytes import HeldBytes
-from jaxoffload.train.moved import Moves, placed
+from jaxoffload.train.moved import DeviceScalars, Moves, placed
 from jaxoffload.train.offloaded_layers import OffloadedLayers
 from jaxoffload.train.pieces import PiecePrograms
 from jaxoffload.train.programs import StepPrograms
@@ -81,6 +80,7 @@ class _Step(NamedTuple):
   step: Any  # The update's count, which salts the sums' rounding; None for one micro-batch.
   moves: Moves  # The moved layers' activations.
   layers: OffloadedLayers  # The weight-offloaded groups' layers.
+  scalars: Callable  # scalars(i): the integer i as the programs take it (``DeviceScalars``).
 
 
 class OverlappedStep:
@@ -103,6 +103,7 @@ class OverlappedStep:
           for index in range(group.stop - group.start) for piece in p.host_pieces(name, index)),
         *(piece for name in p.head for piece in p.host_pieces(name))]))
     self._compiled: dict[str, jax.stages.Compiled] = {}
+    self._scalars = DeviceScalars(self.setup.mesh)
 
   def __call__(self, device_leaves: list, host: Optional[HostAdamW], opt_state: Any,
                tokens: jax.Array) -> tuple[list, Any, jax.Array, jax.Array]:
@@ -122,7 +123,7 @@ class OverlappedStep:
       return outputs
 
     return self._chain(device_leaves, [] if host is None else host.params, opt_state, tokens,
-                       run, host, moves)
+                       run, host, moves, self._scalars)
 
   @property
   def compiled(self) -> dict[str, jax.stages.Compiled]:
@@ -149,17 +150,20 @@ class OverlappedStep:
       held.record(key, static, args, out)
       return out
 
-    self._chain(device_leaves, host_params, opt_state, tokens, run, None, Moves())
+    self._chain(device_leaves, host_params, opt_state, tokens, run, None, Moves(),
+                self._scalars.shape)
     return dict(self._compiled), held.total(device_leaves)
 
-  def _chain(self, device_leaves, host_params, opt_state, tokens, run, host, moves):
+  def _chain(self, device_leaves, host_params, opt_state, tokens, run, host, moves, scalars):
     """The step's programs in order, each through ``run(name, jitted, static args, *args)``;
     with a ``host``, its held pieces applied as the first forward programs need them; the
-    moved activations through ``moves``."""
+    moved activations through ``moves``; the integers they take made by ``scalars``."""
     n = self.piece.micro_batches
     step = run("count", self.piece.count, (), opt_state) if n > 1 else None
-    layers = OffloadedLayers(self.piece, device_leaves, host_params, host, run, opt_state, step)
-    this = _Step(device_leaves, host_params, tokens, run, host, {}, {}, step, moves, layers)
+    layers = OffloadedLayers(self.piece, device_leaves, host_params, host, run, scalars,
+                             opt_state, step)
+    this = _Step(device_leaves, host_params, tokens, run, host, {}, {}, step, moves, layers,
+                 scalars)
     loss = None
     for micro in range(n - 1):  # Their gradients go into the sums.
       loss = self._add_micro_batch(this, micro, loss)
@@ -213,19 +217,19 @@ class OverlappedStep:
     x, embed_pullback = this.run(
         "embed forward", self.piece.embed_forward, (),
         *weights(layered.EMBED, release=last and layered.EMBED not in self.piece.head),
-        this.tokens, np.int32(micro))
+        this.tokens, this.scalars(micro))
     saved = []
     for name, group in self.piece.layer_groups.items():
       for index in range(group.stop - group.start):  # The backward program takes the weights.
         y, kept = this.run(f"forward {name}", self.piece.forward, (name,),
-                           *weights(name, index, release=False), np.int32(index), x)
+                           *weights(name, index, release=False), this.scalars(index), x)
         if name in self.piece.moved:  # Copied out while the next layer's program runs.
           kept = this.moves.leave(kept)
         saved.append((name, index, x if self.piece.layouts[name].takes_input else None, kept))
         x = y
     loss, dx, shared_embed, head_grads = this.run(
         f"head {self._stage(micro)}", self.piece.head_step[not last], (last,),
-        {name: weights(name) for name in self.piece.head}, x, this.tokens, np.int32(micro),
+        {name: weights(name) for name in self.piece.head}, x, this.tokens, this.scalars(micro),
         loss, self._take(this.sums, self.piece.head_grads), this.step)
     return loss, dx, shared_embed, head_grads, embed_pullback, saved
 
@@ -251,14 +255,14 @@ class OverlappedStep:
       written = this.layers.pending(name) if last else None
       dx, grads, stacks = this.run(
           f"backward {name} {stage}{' writing' if written else ''}", self.piece.backward[adds],
-          (name, last), *weights, np.int32(index), x, kept, dx, sums.pop((name, index), None),
-          this.step, np.int32(micro), written)
+          (name, last), *weights, this.scalars(index), x, kept, dx,
+          sums.pop((name, index), None), this.step, this.scalars(micro), written)
       if last:
         grads = this.layers.update(name, index, weights[0], grads, stacks)
       self._file(grads, index, sums, give)
     self._file(this.run(f"embed backward {stage}", self.piece.embed_backward[adds], (last,),
                         embed_pullback, dx, shared_embed,
-                        sums.pop((layered.EMBED, None), None), this.step, np.int32(micro)),
+                        sums.pop((layered.EMBED, None), None), this.step, this.scalars(micro)),
                None, sums, give)
 
   @staticmethod
@@ -292,7 +296,7 @@ class OverlappedStep:
         this.host.apply_held(self.piece.host_pieces(name, index))
       leaves = [this.host_params[i] for i in self.piece.host_ids.get(name, [])]
       this.fetched[key] = (this.run(f"fetch {name}", self.piece.fetch, (name,), leaves,
-                                    None if index is None else np.int32(index))
+                                    None if index is None else this.scalars(index))
                            if leaves else [])
     fetched = this.fetched.pop(key) if release else this.fetched[key]
     return [this.device_leaves[i] for i in self.piece.device_ids.get(name, [])], fetched

@@ -197,7 +197,7 @@ class PiecePrograms:
     grads, dx = layered.backward(self.layouts[name], kept,
                                  self._params(name, device, fetched, index), x, dy)
     return (dx, {name: self._finish(name, grads, sums, step, micro, last)},
-            written and write_layer(*written))
+            written and write_layer(*written, index + 1))
 
   def _embed_backward_piece(self, last, pullback, dx, shared, sums, step, micro):
     (grads,) = pullback(dx)
