@@ -369,6 +369,7 @@ def test_unclipped_offloaded_weights_update_a_layer_at_a_time_as_in_one_program(
   assert written == 3 * [("backward", 0), ("its own", None, 0)]
 
 
+@SLOW
 def test_the_overlapped_steps_programs_take_their_integers_on_the_device():
   # A NumPy integer would cross the link as its program is called, on the stream that
   # carries the layers sent ahead, and the program would wait behind them.
