@@ -62,6 +62,7 @@ class DeviceScalars:
     self._made: dict[int, jax.Array] = {}
 
   def __call__(self, value: int) -> jax.Array:
+    """``value`` as an int32 on the device, placed the first time it is asked for."""
     if value not in self._made:
       self._made[value] = jax.device_put(np.int32(value), self._sharding)
     return self._made[value]
