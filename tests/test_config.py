@@ -12,6 +12,8 @@ from jaxoffload import remat
 from jaxoffload.train import ConfigError, advice, load_config, rules, train
 from jaxoffload.train import reference
 from jaxoffload.train.loading import config_from_dict, parse_override
+from jaxoffload.train.resolve import abstract_setup
+from jaxoffload.train.run_config import MeshConfig
 
 
 def test_yaml_and_overrides_make_typed_values():
@@ -342,6 +344,36 @@ def test_a_key_without_documentation_is_refused():
 def test_sizes_and_ranges_are_checked_at_load(override, message):
   with pytest.raises(ConfigError, match=re.escape(message)):
     load_config(None, [override])
+
+
+def test_a_mesh_that_cannot_shard_the_weights_evenly_is_refused_naming_the_sizes():
+  with pytest.raises(ConfigError, match=re.escape(
+      "mesh.tensor=3 must divide model.vocab_size (256), model.intermediate_size (176), "
+      "model.num_attention_heads x model.kv_channels (4 x 16), model.num_query_groups x "
+      "model.kv_channels (2 x 16): it shards those weights' axes")):
+    load_config(None, ["mesh.tensor=3"])
+
+
+@pytest.mark.parametrize("fsdp, tensor, overrides", [
+    (3, 1, []), (2, 2, []), (1, 4, ["model.num_query_groups=1"]), (1, 4, []),
+    (1, 2, ["model.intermediate_size=174"]), (8, 1, ["model.hidden_size=72"])])
+def test_the_mesh_rule_refuses_exactly_the_meshes_that_cannot_shard_the_weights(
+    fsdp, tensor, overrides):
+  # Against the shardings themselves (sharding.LOGICAL_RULES), reckoned without the rule.
+  config = load_config(None, overrides)
+  setup = abstract_setup(dataclasses.replace(config, mesh=MeshConfig(fsdp=fsdp, tensor=tensor)))
+  try:
+    jax.tree.map(lambda s, x: s.shard_shape(x.shape), setup.param_shardings,
+                 setup.param_shapes)
+    divides = True
+  except ValueError:
+    divides = False
+  mesh = [f"mesh.fsdp={fsdp}", f"mesh.tensor={tensor}"]
+  if divides:
+    load_config(None, overrides + mesh)
+  else:
+    with pytest.raises(ConfigError, match=r"^mesh\.(fsdp|tensor)=\d must divide "):
+      load_config(None, overrides + mesh)
 
 
 @pytest.mark.parametrize("overrides, line", [

@@ -36,6 +36,7 @@ def check(config: Config) -> None:
   _check_host_kernel(config)
   _check_model(config)
   _check_data_and_processes(config)
+  _check_mesh(config)
   layer_groups(config)
 
 
@@ -318,5 +319,24 @@ def _check_data_and_processes(config: Config) -> None:
   if d.process_id is not None and not 0 <= d.process_id < (d.num_processes or d.process_id + 1):
     raise ConfigError(f"distributed.process_id must be in [0, distributed.num_processes - 1], "
                       f"got {d.process_id}")
+
+
+def _check_mesh(config: Config) -> None:
+  m, mesh = config.model, config.mesh
   for axis in ("data", "fsdp", "tensor"):
-    _at_least(f"mesh.{axis}", getattr(config.mesh, axis), 1)
+    _at_least(f"mesh.{axis}", getattr(mesh, axis), 1)
+  # The weights' axes each mesh axis shards (jaxoffload.sharding.LOGICAL_RULES): a weight's
+  # axis splits into equal shards only.
+  heads = lambda key, count: (f"model.{key} x model.kv_channels ({count} x {m.head_dim})",
+                              count * m.head_dim)
+  sharded = {"fsdp": [(f"model.hidden_size ({m.hidden_size})", m.hidden_size)],
+             "tensor": [(f"model.vocab_size ({m.vocab_size})", m.vocab_size),
+                        (f"model.intermediate_size ({m.intermediate_size})", m.intermediate_size),
+                        heads("num_attention_heads", m.num_attention_heads),
+                        heads("num_query_groups", m.num_query_groups)]}
+  for axis, sizes in sharded.items():
+    ways = getattr(mesh, axis)
+    indivisible = [name for name, size in sizes if size % ways]
+    if indivisible:
+      raise ConfigError(f"mesh.{axis}={ways} must divide {', '.join(indivisible)}: it shards "
+                        f"those weights' axes")

@@ -96,8 +96,10 @@ class MeshConfig:
 
   Attributes:
     data: data-parallel devices.
-    fsdp: devices that shard parameters, gradients and optimizer state.
-    tensor: tensor-parallel devices.
+    fsdp: devices that shard parameters, gradients and optimizer state; divides
+      model.hidden_size.
+    tensor: tensor-parallel devices; divides model.vocab_size, model.intermediate_size,
+      and the query and the key/value heads' widths (heads x kv_channels).
   """
 
   data: int = 1
