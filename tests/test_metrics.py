@@ -61,10 +61,11 @@ def test_unknown_devices_get_no_mfu():
 @pytest.mark.slow
 def test_a_run_records_the_rate_the_norm_host_memory_and_held_out_loss(tmp_path):
   config = load_config(None, ["train.train_iters=4", "eval.interval=2", "eval.iters=3",
-                              f"logging.jsonl={tmp_path}/steps.jsonl",
+                              f"logging.jsonl={tmp_path}/logs/steps.jsonl",
                               f"logging.tensorboard_dir={tmp_path}/tb"])
   result = run(config, log=lambda _: None)
-  records = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+  records = [json.loads(line)
+             for line in (tmp_path / "logs" / "steps.jsonl").read_text().splitlines()]
   setup = result.setup
   assert [r["learning_rate"] for r in records] == pytest.approx(
       [float(setup.schedule(i)) for i in range(4)])
@@ -82,6 +83,18 @@ def test_a_run_records_the_rate_the_norm_host_memory_and_held_out_loss(tmp_path)
   (events,) = (tmp_path / "tb").iterdir()
   content = events.read_bytes()
   assert all(name.encode() in content for name in ("loss", "grad_norm", "eval_loss"))
+
+
+def test_a_jsonl_path_that_cannot_be_written_stops_the_run_in_one_line_before_it_compiles(
+    tmp_path, capsys, monkeypatch):
+  (tmp_path / "file").write_text("")
+  monkeypatch.setattr(Trainer, "compile", lambda *_: pytest.fail("the run went on to compile"))
+  with pytest.raises(SystemExit) as exit_:
+    train_main.main([f"logging.jsonl={tmp_path}/file/steps.jsonl"])
+  assert exit_.value.code == 2
+  assert capsys.readouterr().err.strip().splitlines()[-1] == (
+      f"error: logging.jsonl={tmp_path}/file/steps.jsonl: cannot be written (File exists: "
+      f"{tmp_path}/file)")
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ import math
 import os
 import sys
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, TextIO
 
 import jax
 
@@ -87,26 +87,32 @@ def run(config: Config, *, log: Log = print, stop_after_step: Optional[int] = No
     pool_note = host_memory.pool_limit_advice(need)
     if pool_note:
       log(f"note: host memory: {pool_note}")
-  # Made first: a missing writer is found before anything compiles.
+  # Made first: a missing writer or a file that cannot be written is found before anything
+  # compiles.
   tensorboard = (metrics.TensorBoard(config.logging.tensorboard_dir)
                  if config.logging.tensorboard_dir and reporting else None)
+  jsonl = metrics.open_jsonl(config.logging.jsonl) if config.logging.jsonl and reporting else None
   checkpoints = ckpt.manager(config)
   try:
     if checkpoints is not None:
       ckpt.check_space(checkpoints, setup)
-    return _run(setup, checkpoints, tensorboard, log, reporting, stop_after_step)
+    return _run(setup, checkpoints, jsonl, tensorboard, log, stop_after_step)
   except jax.errors.JaxRuntimeError as error:
     # What the auto settings chose: the out-of-memory advice names levers from there.
     error.resolved_config = config
     raise
   finally:
+    if jsonl is not None:
+      jsonl.close()
     if checkpoints is not None:
       ckpt.close(checkpoints)
 
 
-def _run(setup: Setup, checkpoints, tensorboard: Optional[metrics.TensorBoard], log: Log,
-         reporting: bool, stop_after_step: Optional[int]) -> Run:
-  """``run`` once the setup is resolved and the checkpoint directory open."""
+def _run(setup: Setup, checkpoints, jsonl: Optional[TextIO],
+         tensorboard: Optional[metrics.TensorBoard], log: Log, stop_after_step: Optional[int]
+         ) -> Run:
+  """``run`` once the setup is resolved and the checkpoint directory, the JSONL file and the
+  TensorBoard writer open (each None where not asked for)."""
   config = setup.config
   resumed = (ckpt.restore_newest(checkpoints, setup, log)
              if checkpoints is not None and config.checkpoint.resume else None)
@@ -124,7 +130,7 @@ def _run(setup: Setup, checkpoints, tensorboard: Optional[metrics.TensorBoard], 
   pinned, offloaded_state = _host_bytes(trainer)
   last = (config.train.train_iters if stop_after_step is None
           else min(stop_after_step, config.train.train_iters))
-  meter = _monitor(setup, pinned + host_temp, log, reporting, tensorboard)
+  meter = _monitor(setup, pinned + host_temp, log, jsonl, tensorboard)
   try:
     _train(setup, trainer, checkpoints, meter, range(first, last), log)
   finally:
@@ -171,11 +177,10 @@ def _evaluate(setup: Setup, trainer: Trainer) -> float:
   return sum(float(x.addressable_data(0)) for x in losses) / len(losses)
 
 
-def _monitor(setup: Setup, pinned_host_bytes: int, log: Log, reporting: bool,
+def _monitor(setup: Setup, pinned_host_bytes: int, log: Log, jsonl: Optional[TextIO],
              tensorboard: Optional[metrics.TensorBoard]) -> metrics.Monitor:
   """Where each step's figures go: the progress line, JSONL, TensorBoard."""
   config, m, t = setup.config, setup.config.model, setup.config.train
-  jsonl = open(config.logging.jsonl, "a") if config.logging.jsonl and reporting else None
   return metrics.Monitor(
       total_steps=t.train_iters, tokens_per_step=t.global_batch_size * m.seq_length,
       flops_per_token=metrics.flops_per_token(setup.model, m.seq_length),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import statistics
 from typing import Any, Callable, Optional, TextIO
 
@@ -74,6 +75,20 @@ class StepRecord:
   host_rss_bytes: Optional[int]  # The process's resident host memory; None where unknown.
   eval_loss: Optional[float] = None  # Held-out loss after this step, where evaluated.
   eval_perplexity: Optional[float] = None
+
+
+def open_jsonl(path: str) -> TextIO:
+  """``logging.jsonl``'s file, opened to append to, its folder made where missing.
+
+  Raises:
+    ConfigError: naming the path, where it cannot be written.
+  """
+  try:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    return open(path, "a")
+  except OSError as error:
+    raise ConfigError(f"logging.jsonl={path}: cannot be written ({error.strerror}: "
+                      f"{error.filename})") from None
 
 
 class TensorBoard:
