@@ -85,16 +85,19 @@ def test_a_run_records_the_rate_the_norm_host_memory_and_held_out_loss(tmp_path)
   assert all(name.encode() in content for name in ("loss", "grad_norm", "eval_loss"))
 
 
-def test_a_jsonl_path_that_cannot_be_written_stops_the_run_in_one_line_before_it_compiles(
-    tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("key, under_a_file, error", [
+    ("logging.jsonl", "file/steps.jsonl", "File exists: {tmp}/file"),
+    ("logging.tensorboard_dir", "file/tb", "Not a directory: {tmp}/file/tb")])
+def test_an_output_that_cannot_be_written_stops_the_run_in_one_line_before_it_compiles(
+    tmp_path, capsys, monkeypatch, key, under_a_file, error):
   (tmp_path / "file").write_text("")
   monkeypatch.setattr(Trainer, "compile", lambda *_: pytest.fail("the run went on to compile"))
   with pytest.raises(SystemExit) as exit_:
-    train_main.main([f"logging.jsonl={tmp_path}/file/steps.jsonl"])
+    train_main.main([f"{key}={tmp_path}/{under_a_file}"])
   assert exit_.value.code == 2
   assert capsys.readouterr().err.strip().splitlines()[-1] == (
-      f"error: logging.jsonl={tmp_path}/file/steps.jsonl: cannot be written (File exists: "
-      f"{tmp_path}/file)")
+      f"error: {key}={tmp_path}/{under_a_file}: cannot be written "
+      f"({error.format(tmp=tmp_path)})")
 
 
 @pytest.mark.slow

@@ -8,12 +8,13 @@ traces a window of steps with ``jax.profiler``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
 import statistics
-from typing import Any, Callable, Optional, TextIO
+from typing import Any, Callable, Iterator, Optional, TextIO
 
 import jax
 import jax.numpy as jnp
@@ -83,11 +84,18 @@ def open_jsonl(path: str) -> TextIO:
   Raises:
     ConfigError: naming the path, where it cannot be written.
   """
-  try:
+  with _writable("logging.jsonl", path):
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     return open(path, "a")
+
+
+@contextlib.contextmanager
+def _writable(key: str, path: str) -> Iterator[None]:
+  """An ``OSError`` inside as a one-line ``ConfigError`` naming the key and the path."""
+  try:
+    yield
   except OSError as error:
-    raise ConfigError(f"logging.jsonl={path}: cannot be written ({error.strerror}: "
+    raise ConfigError(f"{key}={path}: cannot be written ({error.strerror}: "
                       f"{error.filename})") from None
 
 
@@ -95,7 +103,7 @@ class TensorBoard:
   """Each record's figures as TensorBoard scalars, through tensorboardX's event-file writer.
 
   Raises:
-    ConfigError: when tensorboardX is not installed.
+    ConfigError: when tensorboardX is not installed, or the directory cannot be written.
   """
 
   def __init__(self, directory: str):
@@ -104,7 +112,8 @@ class TensorBoard:
     except ImportError:
       raise ConfigError("logging.tensorboard_dir needs tensorboardX: "
                         "pip install 'jaxoffload[metrics]'") from None
-    self._writer = SummaryWriter(directory)
+    with _writable("logging.tensorboard_dir", directory):
+      self._writer = SummaryWriter(directory)
 
   def write(self, record: StepRecord) -> None:
     for name, value in dataclasses.asdict(record).items():
