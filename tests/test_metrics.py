@@ -87,7 +87,8 @@ def test_a_run_records_the_rate_the_norm_host_memory_and_held_out_loss(tmp_path)
 
 @pytest.mark.parametrize("key, under_a_file, error", [
     ("logging.jsonl", "file/steps.jsonl", "File exists: {tmp}/file"),
-    ("logging.tensorboard_dir", "file/tb", "Not a directory: {tmp}/file/tb")])
+    ("logging.tensorboard_dir", "file/tb", "Not a directory: {tmp}/file/tb"),
+    ("logging.profile_dir", "file/profile", "Not a directory: {tmp}/file/profile")])
 def test_an_output_that_cannot_be_written_stops_the_run_in_one_line_before_it_compiles(
     tmp_path, capsys, monkeypatch, key, under_a_file, error):
   (tmp_path / "file").write_text("")
@@ -98,6 +99,18 @@ def test_an_output_that_cannot_be_written_stops_the_run_in_one_line_before_it_co
   assert capsys.readouterr().err.strip().splitlines()[-1] == (
       f"error: {key}={tmp_path}/{under_a_file}: cannot be written "
       f"({error.format(tmp=tmp_path)})")
+
+
+def test_a_profile_that_cannot_be_written_is_warned_of_and_the_run_goes_on(tmp_path):
+  logged, folder = [], tmp_path / "file" / "profile"
+  profiler = metrics.Profiler(str(folder), start=1, steps=1, log=logged.append)
+  profiler.before(1)
+  (tmp_path / "file").write_text("")  # Made under the trace: its folder cannot be.
+  profiler.after(1, jnp.ones(3))
+  (line,) = logged
+  assert line.startswith(f"warning: the profile of steps 1-1 was not written to {folder}: ")
+  (tmp_path / "file").unlink()
+  jax.profiler.stop_trace()  # JAX's trace is still open: ended here, for the tests after.
 
 
 @pytest.mark.slow

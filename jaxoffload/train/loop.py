@@ -92,6 +92,8 @@ def run(config: Config, *, log: Log = print, stop_after_step: Optional[int] = No
   tensorboard = (metrics.TensorBoard(config.logging.tensorboard_dir)
                  if config.logging.tensorboard_dir and reporting else None)
   jsonl = metrics.open_jsonl(config.logging.jsonl) if config.logging.jsonl and reporting else None
+  if config.logging.profile_dir:
+    metrics.make_folder("logging.profile_dir", config.logging.profile_dir)
   checkpoints = ckpt.manager(config)
   try:
     if checkpoints is not None:

@@ -89,6 +89,16 @@ def open_jsonl(path: str) -> TextIO:
     return open(path, "a")
 
 
+def make_folder(key: str, path: str) -> None:
+  """Makes ``key``'s folder ``path`` where missing.
+
+  Raises:
+    ConfigError: naming the key and the path, where it cannot be made.
+  """
+  with _writable(key, path):
+    os.makedirs(path, exist_ok=True)
+
+
 @contextlib.contextmanager
 def _writable(key: str, path: str) -> Iterator[None]:
   """An ``OSError`` inside as a one-line ``ConfigError`` naming the key and the path."""
@@ -138,7 +148,12 @@ class Profiler:
   def after(self, step: int, outputs: Any) -> None:
     if self.directory is not None and step == self.stop:
       jax.block_until_ready(outputs)
-      jax.profiler.stop_trace()
+      try:
+        jax.profiler.stop_trace()
+      except jax.errors.JaxRuntimeError as error:  # The run goes on: a trace is not worth it.
+        self.log(f"warning: the profile of steps {self.start}-{self.stop} was not written "
+                 f"to {self.directory}: {error}")
+        return
       self.log(f"profiled steps {self.start}-{self.stop} into {self.directory}")
 
 
