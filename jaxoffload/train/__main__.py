@@ -25,7 +25,7 @@ from typing import Optional
 
 import jax
 
-from jaxoffload.train import advice, host_memory, launch, levers
+from jaxoffload.train import advice, host_memory, launch, levers, stopping
 from jaxoffload.train.config import ConfigError
 from jaxoffload.train.loading import load_config
 from jaxoffload.train.loop import train
@@ -52,6 +52,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     _exit(f"error: {error}", 2)
   except FloatingPointError as error:
     _exit(f"error: {error}", 1)
+  except stopping.Stopped as stopped:  # The shell's status for a process a signal ended.
+    _exit(str(stopped), 128 + stopped.signum)
   except jax.errors.JaxRuntimeError as error:
     if "RESOURCE_EXHAUSTED" not in str(error):
       raise

@@ -14,7 +14,7 @@ import jax
 import jaxoffload
 from jaxoffload.memory import host_rss_bytes
 from jaxoffload.train import checkpoints as ckpt
-from jaxoffload.train import advice, host_memory, launch, metrics, weights
+from jaxoffload.train import advice, host_memory, launch, metrics, stopping, weights
 from jaxoffload.train.config import Config
 from jaxoffload.train.resolve import Setup, resolve
 from jaxoffload.train.step import Trainer
@@ -149,28 +149,33 @@ def _run(setup: Setup, checkpoints, jsonl: Optional[TextIO],
 
 def _train(setup: Setup, trainer: Trainer, checkpoints, meter: metrics.Monitor, steps: range,
            log: Log) -> None:
-  """The steps themselves: update, record, evaluate, checkpoint, stop on a bad loss."""
+  """The steps themselves: update, record, evaluate, checkpoint, stop on a bad loss or when
+  a signal asks (``stopping``)."""
   config = setup.config
   profiler = metrics.Profiler(config.logging.profile_dir, config.logging.profile_start_step,
                               config.logging.profile_steps, log)
-  for i in steps:
-    tokens = setup.global_batch(i)
-    profiler.before(i + 1)
-    start = time.perf_counter()
-    loss, grad_norm = trainer.step(tokens)
-    loss = float(loss.addressable_data(0))  # Replicated: every process has it.
-    step_s = time.perf_counter() - start
-    profiler.after(i + 1, trainer.params)
-    due = config.eval.interval and ((i + 1) % config.eval.interval == 0 or i + 1 == steps.stop)
-    meter.record(step=i + 1, loss=loss, step_s=step_s,
-                 learning_rate=float(setup.schedule(i)),
-                 grad_norm=float(grad_norm.addressable_data(0)),
-                 eval_loss=_evaluate(setup, trainer) if due else None)
-    if not math.isfinite(loss):
-      _stop_on_bad_loss(loss, i + 1, checkpoints)
-    if checkpoints is not None and ((i + 1) % config.checkpoint.save_interval == 0
-                                    or i + 1 == steps.stop):
-      ckpt.save(checkpoints, i + 1, trainer)
+  with stopping.StopRequests(checkpoints) as stop:
+    for i in steps:
+      tokens = setup.global_batch(i)
+      profiler.before(i + 1)
+      start = time.perf_counter()
+      loss, grad_norm = trainer.step(tokens)
+      loss = float(loss.addressable_data(0))  # Replicated: every process has it.
+      step_s = time.perf_counter() - start
+      profiler.after(i + 1, trainer.params)
+      due = config.eval.interval and ((i + 1) % config.eval.interval == 0 or i + 1 == steps.stop)
+      meter.record(step=i + 1, loss=loss, step_s=step_s,
+                   learning_rate=float(setup.schedule(i)),
+                   grad_norm=float(grad_norm.addressable_data(0)),
+                   eval_loss=_evaluate(setup, trainer) if due else None)
+      if not math.isfinite(loss):
+        _stop_on_bad_loss(loss, i + 1, checkpoints)
+      signum = stop.asked(i + 1)
+      if checkpoints is not None and ((i + 1) % config.checkpoint.save_interval == 0
+                                      or i + 1 == steps.stop or signum is not None):
+        ckpt.save(checkpoints, i + 1, trainer)
+      if signum is not None:
+        raise stopping.stopped(signum, i + 1, config)
 
 
 def _evaluate(setup: Setup, trainer: Trainer) -> float:

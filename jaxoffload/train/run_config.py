@@ -132,7 +132,9 @@ class CheckpointConfig:
   """``checkpoint.*``: orbax checkpoints of parameters and optimizer state.
 
   A run that stops on a NaN or infinite loss saves nothing more and names the
-  newest good checkpoint.
+  newest good checkpoint. SIGTERM (a scheduler's) or Ctrl-C stops a run after the
+  step in flight and saves that step (a second Ctrl-C stops it at once); the
+  command exits with 128 plus the signal's number.
 
   Attributes:
     dir: where orbax writes checkpoints (asynchronously); null: none. A run whose dir has
