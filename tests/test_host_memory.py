@@ -160,6 +160,15 @@ def test_a_run_that_cannot_fit_is_refused_in_one_line_before_it_allocates():
   assert "optimizer state 64.2 GB" in line
   assert "left under train.host_memory_limit=16.0 GB" in line
   assert "lower it with optimizer.optimizer_offload_fraction" in line
+  assert line.endswith(", or raise train.host_memory_limit")
+
+
+def test_a_run_that_nothing_but_the_limit_could_fit_is_told_to_raise_it():
+  # The tiny model's only large part is the JAX runtime's reserve, which no key lowers.
+  with pytest.raises(ConfigError, match=r"is left under train\.host_memory_limit=1 MB with "
+                                        r"the .* this process holds; raise "
+                                        r"train\.host_memory_limit$"):
+    check(resolve(load_config(None, ["train.host_memory_limit=1MB"])))
 
 
 def test_the_budget_is_the_limit_less_what_the_process_holds_else_the_machines(tmp_path):

@@ -265,10 +265,11 @@ def check(setup: Setup) -> HostBytes:
                   if lowered_by.get(name) and n >= need.total / 10), reverse=True)
   keys = list(dict.fromkeys(key for _, name in parts for key in lowered_by[name]))
   keys = ", ".join(levers.with_figures(setup, keys, lambda s: needed(s).total))
-  lower = f"; lower it with {keys}" if keys else ""
+  own = ("raise train.host_memory_limit" if limit is not None
+         else "set train.host_memory_limit where that figure is wrong")
   raise ConfigError(f"host memory: this run needs about {size(need.total)} more ({need}) but "
-                    f"{size(max(have, 0))} is {source}{lower}, or set train.host_memory_limit "
-                    f"where that figure is wrong")
+                    f"{size(max(have, 0))} is {source}; "
+                    + (f"lower it with {keys}, or {own}" if keys else own))
 
 
 def pool_limit_advice(need: HostBytes) -> str:
