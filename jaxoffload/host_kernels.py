@@ -147,58 +147,64 @@ def _encode(x, inverse_scale, signed):
   return np.int32((-code if x < 0 else code) if signed else code)
 
 
+@_jit_inline
+def _moments(i, grad, mu, mu_scale, nu, nu_scale, hyper, formats):
+  # Element i's new moments, as optax.adamw, in float32. 8-bit moments decode with their
+  # block's old scale.
+  grad_is_bf16, _, _, mu_bf16, mu_codes, nu_bf16, nu_codes = formats
+  grad_scale, _, b1, b2, one_minus_b1, one_minus_b2, _, _, _, _, _, _, _ = hyper
+  g = (_widen(grad[i]) if grad_is_bf16 else grad[i]) * grad_scale
+  old_m = _decode(mu[i], mu_scale, True) if mu_codes else _widen(mu[i]) if mu_bf16 else mu[i]
+  old_v = _decode(nu[i], nu_scale, False) if nu_codes else _widen(nu[i]) if nu_bf16 else nu[i]
+  return b1 * old_m + one_minus_b1 * g, b2 * old_v + one_minus_b2 * (g * g)
+
+
+@_jit_inline
+def _store(i, param, remainder, mu, m, mu_inverse, nu, v, nu_inverse, hyper, formats):
+  # Element i's moments stored (8-bit ones encoded with their block's new scale) and its
+  # weight updated: bias correction, decoupled weight decay, learning rate. The update
+  # reads the new moments before they are stored rounded, as jaxoffload.adam does.
+  _, split, bf16_weights, mu_bf16, mu_codes, nu_bf16, nu_codes = formats
+  (_, lr, _, _, _, _, eps, weight_decay, inverse_bias1, inverse_bias2, mu_salt, nu_salt,
+   param_salt) = hyper
+  if mu_codes:
+    mu[i] = _encode(m, mu_inverse, True)
+  elif mu_bf16:
+    mu[i] = _stochastic_bfloat16(m, mu_salt)
+  else:
+    mu[i] = m
+  if nu_codes:
+    nu[i] = _encode(v, nu_inverse, False)
+  elif nu_bf16:
+    nu[i] = _stochastic_bfloat16(v, nu_salt)
+  else:
+    nu[i] = v
+  if split:
+    p = _join(param[i], remainder[i])
+  elif bf16_weights:
+    p = _widen(param[i])
+  else:
+    p = param[i]
+  new = p - lr * ((m * inverse_bias1) / (np.sqrt(v * inverse_bias2) + eps) + weight_decay * p)
+  if split:
+    param[i] = _split_high(new)
+    remainder[i] = _split_low(new)
+  elif bf16_weights:
+    param[i] = _stochastic_bfloat16(new, param_salt)
+  else:
+    param[i] = new
+
+
 @functools.cache
 def step_kernel(grad_is_bf16: bool, weights: str, mu: str, nu: str):
   """The AdamW step for one kind of gradient, weights and moments (``WEIGHTS``, ``MOMENTS``)."""
   require_numba()
-  split, bf16_weights = weights == "split", weights == "bfloat16"
-  mu_bf16, mu_codes = mu == "bfloat16", mu == "int8"
-  nu_bf16, nu_codes = nu == "bfloat16", nu == "int8"
+  mu_codes, nu_codes = mu == "int8", nu == "int8"
   coded = mu_codes or nu_codes
-
-  @_jit_inline
-  def moments(i, grad, mu, mu_scale, nu, nu_scale, hyper):
-    # Element i's new moments, as optax.adamw, in float32. 8-bit moments decode with their
-    # block's old scale.
-    grad_scale, _, b1, b2, one_minus_b1, one_minus_b2, _, _, _, _, _, _, _ = hyper
-    g = (_widen(grad[i]) if grad_is_bf16 else grad[i]) * grad_scale
-    old_m = _decode(mu[i], mu_scale, True) if mu_codes else _widen(mu[i]) if mu_bf16 else mu[i]
-    old_v = _decode(nu[i], nu_scale, False) if nu_codes else _widen(nu[i]) if nu_bf16 else nu[i]
-    return b1 * old_m + one_minus_b1 * g, b2 * old_v + one_minus_b2 * (g * g)
-
-  @_jit_inline
-  def store(i, param, remainder, mu, m, mu_inverse, nu, v, nu_inverse, hyper):
-    # Element i's moments stored (8-bit ones encoded with their block's new scale) and its
-    # weight updated: bias correction, decoupled weight decay, learning rate. The update
-    # reads the new moments before they are stored rounded, as jaxoffload.adam does.
-    (_, lr, _, _, _, _, eps, weight_decay, inverse_bias1, inverse_bias2, mu_salt, nu_salt,
-     param_salt) = hyper
-    if mu_codes:
-      mu[i] = _encode(m, mu_inverse, True)
-    elif mu_bf16:
-      mu[i] = _stochastic_bfloat16(m, mu_salt)
-    else:
-      mu[i] = m
-    if nu_codes:
-      nu[i] = _encode(v, nu_inverse, False)
-    elif nu_bf16:
-      nu[i] = _stochastic_bfloat16(v, nu_salt)
-    else:
-      nu[i] = v
-    if split:
-      p = _join(param[i], remainder[i])
-    elif bf16_weights:
-      p = _widen(param[i])
-    else:
-      p = param[i]
-    new = p - lr * ((m * inverse_bias1) / (np.sqrt(v * inverse_bias2) + eps) + weight_decay * p)
-    if split:
-      param[i] = _split_high(new)
-      remainder[i] = _split_low(new)
-    elif bf16_weights:
-      param[i] = _stochastic_bfloat16(new, param_salt)
-    else:
-      param[i] = new
+  # Constants of the kernel's closure, which numba folds: the loops have no branches on them.
+  # Plain values, not functions, so that its cache entry is found again by the next process.
+  formats = (grad_is_bf16, weights == "split", weights == "bfloat16", mu == "bfloat16",
+             mu_codes, nu == "bfloat16", nu_codes)
 
   # nogil: HostAdamW's background thread updates while the caller's dispatches.
   @numba.njit(parallel=True, cache=True, nogil=True)
@@ -211,8 +217,8 @@ def step_kernel(grad_is_bf16: bool, weights: str, mu: str, nu: str):
              np.float32(1) / bias1, np.float32(1) / bias2, mu_salt, nu_salt, param_salt)
     if not coded:
       for i in numba.prange(param.size):
-        m, v = moments(i, grad, mu, zero, nu, zero, hyper)
-        store(i, param, remainder, mu, m, zero, nu, v, zero, hyper)
+        m, v = _moments(i, grad, mu, zero, nu, zero, hyper, formats)
+        _store(i, param, remainder, mu, m, zero, nu, v, zero, hyper, formats)
       return
     # A block of a row at a time: its new moments into scratch, with their largest
     # magnitudes (the new scales), then stored. The maximum is taken over the floats' bits,
@@ -228,7 +234,7 @@ def step_kernel(grad_is_bf16: bool, weights: str, mu: str, nu: str):
         old_nu_scale = nu_scales[block] if nu_codes else zero
         mu_bits, nu_bits = np.uint32(0), np.uint32(0)
         for i in range(start, stop):
-          m, v = moments(i, grad, mu, old_mu_scale, nu, old_nu_scale, hyper)
+          m, v = _moments(i, grad, mu, old_mu_scale, nu, old_nu_scale, hyper, formats)
           new_mu[i - start], new_nu[i - start] = m, v
           mu_bits = max(mu_bits, np.uint32(np.float32(m).view(np.uint32) & 0x7FFFFFFF))
           nu_bits = max(nu_bits, np.uint32(np.float32(v).view(np.uint32) & 0x7FFFFFFF))
@@ -236,8 +242,8 @@ def step_kernel(grad_is_bf16: bool, weights: str, mu: str, nu: str):
         nu_scale = np.uint32(nu_bits).view(np.float32)
         mu_inverse, nu_inverse = _inverse(mu_scale), _inverse(nu_scale)
         for i in range(start, stop):
-          store(i, param, remainder, mu, new_mu[i - start], mu_inverse, nu, new_nu[i - start],
-                nu_inverse, hyper)
+          _store(i, param, remainder, mu, new_mu[i - start], mu_inverse, nu,
+                 new_nu[i - start], nu_inverse, hyper, formats)
         if mu_codes:
           mu_scales[block] = mu_scale
         if nu_codes:

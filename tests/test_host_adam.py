@@ -1,5 +1,9 @@
 """The host AdamW kernel: optax.adamw's numbers, in place, and on JAX's own host buffers."""
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -301,3 +305,25 @@ def test_bfloat16_moments_round_stochastically_as_the_device_does(problem):
     assert not np.array_equal(stored, unrounded.astype(ml_dtypes.bfloat16))  # Not nearest.
   with pytest.raises(ValueError, match="mu must be float32, got bfloat16"):
     host_adam.adamw_undo(*got[:1], grads[0], *got[1:], **settings)
+
+
+COMPILE_A_STEP = """
+import ml_dtypes, numpy as np
+from jaxoffload import host_adam
+param = np.zeros(64, ml_dtypes.bfloat16)
+host_adam.adamw_update(param, np.ones(64, ml_dtypes.bfloat16), np.zeros(64, ml_dtypes.bfloat16),
+                       np.zeros(64, ml_dtypes.bfloat16), learning_rate=1e-3, count=1,
+                       remainder=np.zeros(64, np.uint16))
+"""
+
+
+@pytest.mark.slow
+def test_the_next_process_finds_the_compiled_step_in_numbas_cache(tmp_path):
+  # A kernel whose cache key changes from process to process compiles again in every run
+  # and leaves one more file in the cache each time.
+  environment = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+  cached = []
+  for _ in range(2):
+    subprocess.run([sys.executable, "-c", COMPILE_A_STEP], env=environment, check=True)
+    cached.append(sorted(p.name for p in tmp_path.rglob("*step_kernel*")))
+  assert cached[0] and cached[1] == cached[0]
