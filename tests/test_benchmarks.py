@@ -85,7 +85,7 @@ def test_the_quick_benchmarks_run_on_a_cpu(tmp_path, monkeypatch, args, rows):
 
 
 @pytest.mark.slow
-def test_step_trace_reads_the_trainers_trace(tmp_path):
+def test_step_trace_reads_the_trainers_trace(tmp_path, monkeypatch):
   trace = tmp_path / "trace"
   # The profiler names the Python thread after the binary: ``python3`` on the GPU machine.
   python3 = tmp_path / "python3"
@@ -95,9 +95,8 @@ def test_step_trace_reads_the_trainers_trace(tmp_path):
              "optimizer.optimizer_offload_update_on=host_kernel", f"logging.profile_dir={trace}",
              "logging.profile_start_step=2", "logging.profile_steps=2", python=python3)
   assert done.returncode == 0, done.stderr[-2000:]
-  done = run("benchmarks/step_trace.py", str(trace), "--min-ms", "0", "--out",
-             str(tmp_path / "out"))
-  assert done.returncode == 0, done.stderr[-2000:]
+  run_here(monkeypatch, "benchmarks/step_trace.py", str(trace), "--min-ms", "0", "--out",
+           str(tmp_path / "out"))
   steps = json.loads((tmp_path / "out.json").read_text())["results"]
   assert len(steps) == 2
   for step in steps:  # The overlapped step: a program per layer.
@@ -107,14 +106,18 @@ def test_step_trace_reads_the_trainers_trace(tmp_path):
   # The first step's update, on the host kernel's thread, runs after it returns and before
   # the second step's forward programs read it: inside the two windows.
   assert sum(step["time_by_call_ms"].get("HostAdamW update", 0) for step in steps) > 0
-  missing = run("benchmarks/step_trace.py", str(tmp_path / "none"), "--out", str(tmp_path / "x"))
-  assert missing.returncode == 1 and "no trace (*.xplane.pb) under" in missing.stderr
+  with pytest.raises(SystemExit) as missing:  # sys.exit(message): status 1, the message.
+    run_here(monkeypatch, "benchmarks/step_trace.py", str(tmp_path / "none"), "--out",
+             str(tmp_path / "x"))
+  assert "no trace (*.xplane.pb) under" in missing.value.code
 
 
-def test_the_offload_table_refuses_float32_weights_for_a_float32_model(tmp_path):
-  done = run("benchmarks/offload_table.py", "--columns", "unclipped-float32-weights",
-             "--out", str(tmp_path / "out"))
-  assert done.returncode == 2
-  assert done.stderr.strip().splitlines()[-1].endswith(
+def test_the_offload_table_refuses_float32_weights_for_a_float32_model(tmp_path, monkeypatch,
+                                                                      capsys):
+  with pytest.raises(SystemExit) as exit_:
+    run_here(monkeypatch, "benchmarks/offload_table.py", "--columns",
+             "unclipped-float32-weights", "--out", str(tmp_path / "out"))
+  assert exit_.value.code == 2
+  assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
       "error: column 'unclipped-float32-weights' needs a model that computes in bfloat16 "
       "(model.dtype=bfloat16); a float32 model's weights go up in float32 anyway")
