@@ -70,7 +70,9 @@ def run_bench(*args):
 @pytest.mark.slow
 def test_a_run_on_the_tiny_model_writes_json_table_and_plots(tmp_path):
   out = str(tmp_path / "tiny")
-  run_bench("--steps", "3", "--out", out, "--settings", "baseline again,optimizer 0.5 device")
+  # The first run's parent in this process (its settings each still run in a process of
+  # their own); the resumed run is the command.
+  bench_main(["--steps", "3", "--out", out, "--settings", "baseline again,optimizer 0.5 device"])
   first = json.loads((tmp_path / "tiny.json").read_text())["results"]
   # A second run resumes: the settings measured stay, the missing one runs.
   auto = ("auto placement=optimizer.optimizer_cpu_offload=True "
