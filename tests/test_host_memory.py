@@ -324,7 +324,7 @@ def test_a_refusal_names_each_lever_once_and_none_at_its_limit():
       "train.micro_batch_size=4", "train.host_memory_limit=5GB"]))
   with pytest.raises(ConfigError) as refused:
     check(setup)
-  levers = str(refused.value).split("; lower it with ")[1].split(", or set ")[0]
+  levers = str(refused.value).split("; lower it with ")[1].split(", or raise ")[0]
   # Each with what the run would need once it is set: the guard's own arithmetic.
   need = lambda setting: needed(variant(setup, override(setup.config, [setting]))).total
   half, summed_on_device, bf16_masters = (need(setting) for setting in (
