@@ -160,6 +160,16 @@ def _moments(i, grad, mu, mu_scale, nu, nu_scale, hyper, formats):
 
 
 @_jit_inline
+def _store_moment(moment, i, value, inverse_scale, salt, codes, bf16, signed):
+  if codes:
+    moment[i] = _encode(value, inverse_scale, signed)
+  elif bf16:
+    moment[i] = _stochastic_bfloat16(value, salt)
+  else:
+    moment[i] = value
+
+
+@_jit_inline
 def _store(i, param, remainder, mu, m, mu_inverse, nu, v, nu_inverse, hyper, formats):
   # Element i's moments stored (8-bit ones encoded with their block's new scale) and its
   # weight updated: bias correction, decoupled weight decay, learning rate. The update
@@ -167,18 +177,8 @@ def _store(i, param, remainder, mu, m, mu_inverse, nu, v, nu_inverse, hyper, for
   _, split, bf16_weights, mu_bf16, mu_codes, nu_bf16, nu_codes = formats
   (_, lr, _, _, _, _, eps, weight_decay, inverse_bias1, inverse_bias2, mu_salt, nu_salt,
    param_salt) = hyper
-  if mu_codes:
-    mu[i] = _encode(m, mu_inverse, True)
-  elif mu_bf16:
-    mu[i] = _stochastic_bfloat16(m, mu_salt)
-  else:
-    mu[i] = m
-  if nu_codes:
-    nu[i] = _encode(v, nu_inverse, False)
-  elif nu_bf16:
-    nu[i] = _stochastic_bfloat16(v, nu_salt)
-  else:
-    nu[i] = v
+  _store_moment(mu, i, m, mu_inverse, mu_salt, mu_codes, mu_bf16, True)
+  _store_moment(nu, i, v, nu_inverse, nu_salt, nu_codes, nu_bf16, False)
   if split:
     p = _join(param[i], remainder[i])
   elif bf16_weights:
