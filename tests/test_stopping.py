@@ -26,20 +26,22 @@ def signalled_at(monkeypatch, step: int, *signums: int) -> None:
   monkeypatch.setattr(metrics.Monitor, "record", record_then_signal)
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_stops_the_run_after_its_step_saved_there_and_the_run_resumes_exactly(
-    tmp_path, monkeypatch):
+    tmp_path, monkeypatch, signum):
   whole = train(load_config(None, ["train.train_iters=6"]), log=QUIET)
   config = load_config(None, ["train.train_iters=6", f"checkpoint.dir={tmp_path}",
                               "checkpoint.save_interval=100"])
-  before = signal.getsignal(signal.SIGTERM)
-  signalled_at(monkeypatch, 2, signal.SIGTERM)
+  before = signal.getsignal(signum)
+  signalled_at(monkeypatch, 2, signum)
   with pytest.raises(stopping.Stopped) as stopped:
     train(config, log=QUIET)
-  assert str(stopped.value) == (f"stopped by SIGTERM after step 2 of 6; saved a checkpoint "
+  name = signal.Signals(signum).name
+  assert str(stopped.value) == (f"stopped by {name} after step 2 of 6; saved a checkpoint "
                                 f"of step 2 in {tmp_path}: the same command resumes it")
-  assert stopped.value.signum == signal.SIGTERM
+  assert stopped.value.signum == signum
   assert [p.name for p in tmp_path.iterdir()] == ["2"]
-  assert signal.getsignal(signal.SIGTERM) is before
+  assert signal.getsignal(signum) is before
   monkeypatch.undo()
   logged = []
   resumed = train(config, log=logged.append)
@@ -47,11 +49,13 @@ def test_a_signal_stops_the_run_after_its_step_saved_there_and_the_run_resumes_e
   np.testing.assert_array_equal(resumed, whole[2:])
 
 
-def test_a_second_ctrl_c_stops_the_run_at_once(tmp_path, monkeypatch):
+def test_a_second_ctrl_c_stops_the_run_at_once(tmp_path, monkeypatch, capfd):
   before = signal.getsignal(signal.SIGINT)
   signalled_at(monkeypatch, 1, signal.SIGINT, signal.SIGINT)
   with pytest.raises(KeyboardInterrupt):
     train(load_config(None, ["train.train_iters=3", f"checkpoint.dir={tmp_path}"]), log=QUIET)
+  # The first was taken as a request to stop after the step; the second did not wait for it.
+  assert "SIGINT: stopping after this step (Ctrl-C again stops at once)" in capfd.readouterr().err
   assert not list(tmp_path.iterdir())
   assert signal.getsignal(signal.SIGINT) is before
 
