@@ -327,6 +327,7 @@ def test_a_key_without_documentation_is_refused():
 @pytest.mark.parametrize("override, message", [
     ("model.seq_length=0", "model.seq_length must be at least 2, got 0"),
     ("model.num_layers=0", "model.num_layers must be at least 1, got 0"),
+    ("model.vocab_size=1", "model.vocab_size must be at least 2, got 1"),
     ("model.hidden_size=66", "model.hidden_size (66) must be a multiple of "
                              "model.num_attention_heads (4), or set model.kv_channels"),
     ("model.kv_channels=7", "each attention head must be an even number of channels wide, got 7"),

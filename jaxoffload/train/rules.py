@@ -101,9 +101,11 @@ def _check_choices(config: Config) -> None:
 
 def _check_sizes(config: Config) -> None:
   m, t, c = config.model, config.train, config.checkpoint
-  for key in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-              "num_attention_heads", "num_query_groups"):
+  for key in ("hidden_size", "intermediate_size", "num_layers", "num_attention_heads",
+              "num_query_groups"):
     _at_least(f"model.{key}", getattr(m, key), 1)
+  # A one-token vocabulary has nothing to predict: its loss is zero from the first step.
+  _at_least("model.vocab_size", m.vocab_size, 2)
   # The loss predicts each token from those before it: one sequence needs two.
   _at_least("model.seq_length", m.seq_length, 2)
   if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
