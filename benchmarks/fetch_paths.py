@@ -1,4 +1,5 @@
-"""How a layer's weights in pinned host memory reach the device beside the device's compute.
+"""How a layer's weights cross between pinned host memory and the device beside the
+device's compute: fetched to it, and written back.
 
   PYTHONPATH=. python3 benchmarks/fetch_paths.py --out benchmarks/runs/fetch_paths_h200
 
@@ -15,14 +16,26 @@ layer's weights. The weights come over either
   run beside the compute. (The trainer reads the host kernel's weights by the
   program: this way was no faster there, docs' run BW.)
 
-Rows: the compute alone, each fetch alone (its bandwidth), and the compute with
-each fetch; medians of ``--repeats`` after a warm-up. A fetch hidden by the
-compute shows as a row near "compute alone".
+A layer's new weights, made on the device after its compute, go back either
+
+- ``program``: a jitted program that writes the layer into the pinned stack,
+  donated, in place (how a weight-offloaded group updated a layer at a time
+  writes it today): a program, so it runs in turn with the compute; or
+- ``device_put``: ``jax.device_put`` to a pinned array of its own, the
+  runtime's transfer; or
+- ``device_put and host copy``: the same, then copied into the stack's bytes
+  on the host by a thread pool (``tensor_files.copy_blocks``) as it lands.
+
+Rows: the compute alone, each way alone (its bandwidth), and the compute with
+each; medians of ``--repeats`` after a warm-up. A way hidden by the compute
+shows as a row near "compute alone".
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import functools
 import sys
 
 import jax
@@ -31,6 +44,7 @@ import numpy as np
 
 from common import median, metadata, time_steps, write_report
 from jaxoffload.host_adam import writable_view
+from jaxoffload.tensor_files import copy_blocks
 
 
 def main() -> None:
@@ -69,23 +83,36 @@ def main() -> None:
       "device_put": lambda i: jax.device_put(view[i], on_device),
   }
   resident = jax.device_put(np.ones((rows, row), jnp.bfloat16), on_device)
+  # A layer's new weights, a fresh device array after its compute (as its update makes them).
+  made = jax.jit(lambda x, weights: weights + x[0, 0])
 
-  def compute(get):
+  def compute(get=lambda i: resident, put=None):
     x, ahead = x0, get(0)
     for i in range(args.layers):
       weights = ahead
       if i + 1 < args.layers:
         ahead = get(i + 1)  # Issued before this layer's compute.
       x = layer(x, weights)
-    return x
+      if put is not None:
+        put(i, made(x, resident))
+    return x if put is None else (x, put(None, None))
 
   def fetch_only(get):
     return [get(i) for i in range(args.layers)]
 
-  rows_out = [("compute alone", lambda: compute(lambda i: resident), 0)]
+  def put_only(put):
+    for i in range(args.layers):
+      put(i, made(x0, resident))
+    return put(None, None)
+
+  rows_out = [("compute alone", compute, 0)]
   for name, get in fetch.items():
-    rows_out.append((f"{name} alone", lambda get=get: fetch_only(get), stack.nbytes))
-    rows_out.append((f"compute with {name}", lambda get=get: compute(get), 0))
+    rows_out.append((f"fetch by {name} alone", functools.partial(fetch_only, get), stack.nbytes))
+    rows_out.append((f"compute with fetch by {name}", functools.partial(compute, get), 0))
+  for name, put in writes(stack, view, pinned).items():
+    rows_out.append((f"write by {name} alone", functools.partial(put_only, put), stack.nbytes))
+    rows_out.append((f"compute with write by {name}",
+                     functools.partial(compute, put=put), 0))
   results = []
   for name, step, moved in rows_out:
     seconds = median(time_steps(step, args.repeats))
@@ -93,7 +120,7 @@ def main() -> None:
                     "GB/s": round(moved / seconds / 1e9, 1) if moved else None})
   base = results[0]["seconds"]
   meta = metadata(sys.argv) | {"layer_bytes": stack.nbytes // args.layers}
-  lines = [f"# A layer's weights from pinned memory, {args.layers} layers of "
+  lines = [f"# A layer's weights between pinned memory and the device, {args.layers} layers of "
            f"{args.layer_mib:g} MiB", "",
            f"Device: {meta['device']}; JAX {meta['jax']}; {meta['date']}.",
            f"Command: `{meta['command']}`", "",
@@ -101,6 +128,48 @@ def main() -> None:
   lines += [f"| {r['setting']} | {r['seconds'] * 1e3:.1f} | {r['seconds'] / base:.2f}x | "
             f"{r['GB/s'] or '-'} |" for r in results]
   write_report(args.out, meta, results, "\n".join(lines) + "\n")
+
+
+def writes(stack: jax.Array, view: np.ndarray, pinned: jax.sharding.Sharding) -> dict:
+  """Each way a layer's new weights on the device go back into ``stack``: a function of
+  ``(index, layer)`` that starts the layer back, and, called ``(None, None)`` at the end of a
+  pass, returns what to wait for."""
+  in_place = jax.jit(lambda s, x, i: jax.lax.dynamic_update_index_in_dim(
+      s, jax.device_put(x, pinned), i, 0), donate_argnums=0, out_shardings=pinned)
+  # Its own, donated: ``view`` stays over ``stack``.
+  state = {"stack": jax.device_put(stack, pinned, may_alias=False)}
+
+  def by_program(i, layer):
+    if i is not None:
+      state["stack"] = in_place(state["stack"], layer, np.int32(i))
+    return state["stack"]
+
+  landed = []
+
+  def by_device_put(i, layer):
+    if i is not None:
+      landed.append(jax.device_put(layer, pinned))
+      return None
+    done, landed[:] = list(landed), []
+    return done
+
+  pool = concurrent.futures.ThreadPoolExecutor(1)
+  copies = []
+
+  def into_stack(i, out):
+    copy_blocks([(view[i], writable_view(jax.block_until_ready(out)), False)])
+
+  def by_device_put_and_copy(i, layer):
+    if i is not None:
+      copies.append(pool.submit(into_stack, i, jax.device_put(layer, pinned)))
+      return None
+    for copy in copies:
+      copy.result()
+    copies.clear()
+    return None
+
+  return {"program": by_program, "device_put": by_device_put,
+          "device_put and host copy": by_device_put_and_copy}
 
 
 if __name__ == "__main__":
