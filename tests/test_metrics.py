@@ -188,6 +188,25 @@ def test_out_of_pinned_host_memory_names_the_pool_limit(capsys, monkeypatch):
       "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB set higher, within the host's free memory\n")
 
 
+def test_xlas_failure_inside_one_program_names_the_program_per_layer(capsys, monkeypatch):
+  def failing(config):
+    raise IndexError("absl::container_internal::raw_hash_map<>::at\n--------------------\n"
+                     "For simplicity, JAX has removed its internal frames")
+
+  monkeypatch.setattr(train_main, "train", failing)
+  with pytest.raises(SystemExit) as exit_:
+    train_main.main([])
+  assert exit_.value.code == 1
+  assert capsys.readouterr().err == (
+      "error: XLA failed running the step: absl::container_internal::raw_hash_map<>::at; it has "
+      "failed so with host offload inside one program on some GPUs, where a program per layer "
+      "(model.cpu_offloading_double_buffering=True, or train.per_layer_step=True) ran\n")
+  # Any other IndexError is a bug of ours, and keeps its traceback.
+  monkeypatch.setattr(train_main, "train", lambda config: [][0])
+  with pytest.raises(IndexError, match="list index out of range"):
+    train_main.main([])
+
+
 @pytest.mark.parametrize("overrides, named", [
     # Everything offloaded, the smallest micro-batch, every layer recomputed: nothing to name.
     (["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=1.0",

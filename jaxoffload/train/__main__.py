@@ -54,6 +54,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     _exit(f"error: {error}", 1)
   except stopping.Stopped as stopped:  # The shell's status for a process a signal ended.
     _exit(str(stopped), 128 + stopped.signum)
+  except IndexError as error:
+    if XLA_LOOKUP_ERROR not in str(error):
+      raise
+    _exit(f"error: XLA failed running the step: {str(error).splitlines()[0]}; it has failed so "
+          f"with host offload inside one program on some GPUs, where a program per layer "
+          f"(model.cpu_offloading_double_buffering=True, or train.per_layer_step=True) ran", 1)
   except jax.errors.JaxRuntimeError as error:
     if "RESOURCE_EXHAUSTED" not in str(error):
       raise
@@ -68,6 +74,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     _exit(f"error: out of device memory: {str(error).splitlines()[0]}; what the device held: "
           f"{profile}\n{hint}", 1)
 
+
+# What XLA's runtime raises, on some GPUs, running a step whose one program offloads to
+# the host (performance history, runs BX and CA).
+XLA_LOOKUP_ERROR = "raw_hash_map<>::at"
 
 # How XLA names its pinned host pool when that runs out.
 PINNED_POOL_ERROR = "xla_gpu_host_bfc"
