@@ -19,8 +19,9 @@ layer's weights. The weights come over either
 A layer's new weights, made on the device after its compute, go back either
 
 - ``program``: a jitted program that writes the layer into the pinned stack,
-  donated, in place (how a weight-offloaded group updated a layer at a time
-  writes it today): a program, so it runs in turn with the compute; or
+  donated, in place (as ``train.offloaded_layers`` writes a weight-offloaded
+  group updated a layer at a time): a program, so it runs in turn with the
+  compute; or
 - ``device_put``: ``jax.device_put`` to a pinned array of its own, the
   runtime's transfer; or
 - ``device_put and host copy``: the same, then copied into the stack's bytes

@@ -76,7 +76,7 @@ def main(argv: Optional[list[str]] = None) -> None:
 
 
 # What XLA's runtime raises, on some GPUs, running a step whose one program offloads to
-# the host (performance history, runs BX and CA).
+# the host (experiments/performance_history.md).
 XLA_LOOKUP_ERROR = "raw_hash_map<>::at"
 
 # How XLA names its pinned host pool when that runs out.
