@@ -18,7 +18,8 @@ from jaxoffload.train import host_memory, load_config, resolve, step_time
 from jaxoffload.train.__main__ import main as train_main
 from jaxoffload.train.config import ConfigError
 from jaxoffload.train.loading import override
-from tests.planning import CALIBRATION, MACHINE
+from jaxoffload.train.step import CompiledStep, Trainer, resident_device_bytes
+from tests.planning import CALIBRATION, MACHINE, TEMPORARIES
 
 
 def test_a_step_is_predicted_as_the_sum_of_its_parts():
@@ -183,7 +184,9 @@ def test_on_a_cpu_and_where_the_rules_refuse_them_no_offload_setting_is_offered(
   assert offload(plan.activation_settings(config, backend="gpu")) == [
       "offload qkv, 3 layers", "offload qkv and weights, 3 layers",
       "offload qkv, 3 layers, moved by the trainer",
-      "offload all, 3 layers, moved by the trainer"]
+      "offload all, 3 layers, moved by the trainer",
+      "offload qkv, 1 layer", "offload qkv and weights, 1 layer",
+      "offload qkv, 2 layers", "offload qkv and weights, 2 layers"]
   # Activation offload frees no memory on the cpu backend.
   assert not offload(plan.activation_settings(config, backend="cpu"))
   # The rules refuse activation offload with CUDA graphs: never calibrated nor searched.
@@ -192,6 +195,59 @@ def test_on_a_cpu_and_where_the_rules_refuse_them_no_offload_setting_is_offered(
     override(graphs, plan.activation_settings(config, backend="gpu")["offload qkv, 3 layers"])
   assert list(plan.activation_settings(graphs, backend="gpu")) == [
       "save everything", "recompute selectively", "recompute every layer"]
+
+
+def test_xla_offloads_are_also_tried_on_fewer_layers_the_rest_saved():
+  depths = lambda layers: [int(name.split(", ")[1].split()[0]) for name in
+                           plan.activation_settings(load_config(None, [
+                               f"model.num_layers={layers}"]), backend="gpu")
+                           if name.startswith("offload qkv and weights")]
+  assert depths(4) == [3, 1, 2]
+  assert depths(32) == [31, 8, 16, 23]
+  assert depths(2) == [1]
+
+
+def test_where_an_offloaded_layer_costs_more_than_a_saved_one_the_fewest_that_fit_are_picked(
+    monkeypatch):
+  # Per layer at a micro-batch of 4: saved activations of 4 units, selective 3, recomputed
+  # half of one, an offloaded layer's 1 (what stays on the device); room for 13.5 units. The
+  # layers the trainer moves keep their originals: their copies cross too slow a link to end
+  # before the backward pass reads them.
+  unit = 100 * 2**20
+  held = {"save": 4, "selective": 3, "recompute": 0.5,
+          "offload qkv + moved by the trainer": 4, "offload all + moved by the trainer": 4}
+
+  def compile(self, tokens, **_):
+    config = self.setup.config
+    activations = sum(n * held.get(mode, 1) for mode, n in step_time.layer_modes(config).items())
+    return CompiledStep((), resident_device_bytes(self) + TEMPORARIES + int(
+        unit * activations * config.train.micro_batch_size / 4), 0)
+
+  monkeypatch.setattr(Trainer, "compile", compile)
+  activation_settings = search.activation_settings
+  monkeypatch.setattr(search, "activation_settings",
+                      lambda config: activation_settings(config, backend="gpu"))
+  calibration = dataclasses.replace(CALIBRATION, layer_s={
+      "save": 0.004, "selective": 0.006, "recompute": 0.008, "offload qkv": 0.005,
+      "offload qkv + weights": 0.009})
+  slow = dataclasses.replace(MACHINE, host_to_device=10e6, device_to_host=10e6)
+  config = load_config(None, ["train.global_batch_size=4", "train.micro_batch_size=4"])
+  state = resident_device_bytes(Trainer.from_shapes(resolve(config)))
+  budgets = plan.Budgets(device=int((state + TEMPORARIES + 13.5 * unit) / 0.95), host=10**12)
+  pick, rows = plan.plan(config, budgets, machine=slow, calibration=calibration,
+                         log=lambda _: None)
+  # One offloaded layer and three saved: 13 units, and 10 + 5 + 3 x 4 ms at 0.625 of the
+  # calibrated micro-batch's time (and the device's AdamW, microseconds).
+  assert (pick.activations, pick.micro_batch_size, pick.fraction) == ("offload qkv, 1 layer",
+                                                                      4, 0.0)
+  assert pick.step_s == pytest.approx(0.625 * 0.027, rel=1e-3)
+  assert pick.device_bytes == state + TEMPORARIES + 13 * unit
+  by_name = {(r.activations, r.micro_batch_size): r for r in rows if r.fraction == 0}
+  # Offloading more layers fits too, but each costs more than the saved layer it replaces.
+  assert by_name["offload qkv, 3 layers", 4].step_s == pytest.approx(0.625 * 0.029, rel=1e-3)
+  # Saving every layer needs 16 units, even with the whole optimizer state offloaded.
+  assert {r.verdict for r in rows if r.activations == "save everything"
+          and r.micro_batch_size == 4} == {"no: device"}
 
 
 def test_the_host_column_is_explained_by_what_it_counts(monkeypatch):

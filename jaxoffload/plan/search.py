@@ -33,7 +33,9 @@ def activation_settings(config: Config, backend: Optional[str] = None) -> dict[s
   activation, recomputing the attention kernel (selective) or every layer, and, but on a
   CPU, offloading the config's policy for every layer but the last (Megatron's limit): by
   XLA inside one program, with the weights too, and moved by the trainer a program per
-  layer (so too every activation, Megatron's policy).
+  layer (so too every activation, Megatron's policy). XLA's offloads are also tried on
+  fewer layers (``partial_depths``), the rest saved: where an offloaded layer costs more
+  than a saved one, the fastest setting that fits offloads the fewest layers that fit.
 
   Args:
     config: a checked config.
@@ -44,26 +46,29 @@ def activation_settings(config: Config, backend: Optional[str] = None) -> dict[s
     Each setting's overrides of ``config``, by name; none that the config's rules refuse.
   """
   m = config.model
-  off = lambda weights: ["model.cpu_offloading=True", "model.recompute_granularity=null",
-                         f"model.cpu_offloading_num_layers={m.num_layers - 1}",
-                         "model.cpu_offloading_activations=True",
-                         f"model.cpu_offloading_weights={weights}",
-                         "model.cpu_offloading_double_buffering=False"]
+  off = lambda weights, layers: [
+      "model.cpu_offloading=True", "model.recompute_granularity=null",
+      f"model.cpu_offloading_num_layers={layers}", "model.cpu_offloading_activations=True",
+      f"model.cpu_offloading_weights={weights}", "model.cpu_offloading_double_buffering=False"]
   no_offload = ["model.cpu_offloading=False", "model.cpu_offloading_num_layers=0"]
   settings = {"as configured": []}
   settings["save everything"] = no_offload + ["model.recompute_granularity=null"]
   settings["recompute selectively"] = no_offload + ["model.recompute_granularity=selective"]
   settings["recompute every layer"] = no_offload + ["model.recompute_granularity=full"]
-  if m.num_layers > 1 and (backend or jax.default_backend()) != "cpu":
-    settings[f"offload {m.cpu_offloading_policy}, {m.num_layers - 1} layers"] = off(False)
-    settings[f"offload {m.cpu_offloading_policy} and weights, {m.num_layers - 1} layers"] = (
-        off(True))
+  most = m.num_layers - 1
+  if most and (backend or jax.default_backend()) != "cpu":
+    policy = m.cpu_offloading_policy
+    settings[f"offload {policy}, {_layers(most)}"] = off(False, most)
+    settings[f"offload {policy} and weights, {_layers(most)}"] = off(True, most)
     # Moved by the trainer, a policy's copies cost only what the layers' compute leaves
-    # bare: Megatron's, every activation, too.
-    for policy in dict.fromkeys((m.cpu_offloading_policy, "all")):
-      settings[f"offload {policy}, {m.num_layers - 1} layers, moved by the trainer"] = off(
-          False) + [f"model.cpu_offloading_policy={policy}",
-                    "model.cpu_offloading_double_buffering=True"]
+    # bare: Megatron's, every activation, too. (Its layers cost a saved layer's compute:
+    # offloading fewer would free less and save nothing.)
+    for moved in dict.fromkeys((policy, "all")):
+      settings[f"offload {moved}, {_layers(most)}, moved by the trainer"] = off(False, most) + [
+          f"model.cpu_offloading_policy={moved}", "model.cpu_offloading_double_buffering=True"]
+    for layers in partial_depths(m.num_layers):
+      settings[f"offload {policy}, {_layers(layers)}"] = off(False, layers)
+      settings[f"offload {policy} and weights, {_layers(layers)}"] = off(True, layers)
   models = {}
   for name, o in settings.items():
     try:
@@ -74,6 +79,17 @@ def activation_settings(config: Config, backend: Optional[str] = None) -> dict[s
   if any(name != "as configured" and model == m for name, model in models.items()):
     del models["as configured"]
   return {name: settings[name] for name in models}
+
+
+def partial_depths(num_layers: int) -> list[int]:
+  """The numbers of layers below Megatron's limit (all but the last) that the planner also
+  offloads: about a quarter, a half and three quarters of the limit, fewest first."""
+  most = num_layers - 1
+  return sorted({round(most * share) for share in (0.25, 0.5, 0.75)} - {0, most})
+
+
+def _layers(n: int) -> str:
+  return f"{n} layer" if n == 1 else f"{n} layers"
 
 
 def plan(config: Config, budgets: Budgets, *, explore: bool = True, compact: bool = True,
