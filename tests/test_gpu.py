@@ -202,17 +202,24 @@ def test_weights_offloaded_a_program_per_layer_train_as_the_one_program_with_the
   np.testing.assert_allclose(losses[True], losses[False], rtol=2e-3)
 
 
-@pytest.mark.parametrize("clip", ["0", "1"], ids=["updated-a-layer-at-a-time", "updated-whole"])
-def test_weights_offloaded_train_on_after_each_save(tmp_path, clip):
-  # A save reads the pinned stacks on the host; the next step writes them in place (a program
-  # they are donated to). A view of them that the save left would make the GPU client refuse
-  # that donation.
+WEIGHTS_OFFLOADED = ["model.cpu_offloading=True", "model.cpu_offloading_num_layers=3",
+                     "model.cpu_offloading_weights=True", "train.per_layer_step=True"]
+
+
+@pytest.mark.parametrize("offload", [
+    WEIGHTS_OFFLOADED + ["optimizer.clip_grad=0"],  # Updated a layer at a time.
+    WEIGHTS_OFFLOADED + ["optimizer.clip_grad=1"],  # Updated whole.
+    ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=1.0",
+     "optimizer.optimizer_offload_update_on=device"],
+], ids=["weights-updated-a-layer-at-a-time", "weights-updated-whole", "state-updated-on-device"])
+def test_a_run_with_pinned_state_trains_on_after_each_save(tmp_path, offload):
+  # A save reads the pinned arrays on the host; the next step updates them in a program they
+  # are donated to. A host view of them that the save left behind would make the GPU client
+  # refuse that donation.
   from jaxoffload.train import load_config, loop
-  config = load_config(None, TRAINER_SHAPE + [
-      "model.cpu_offloading=True", "model.cpu_offloading_num_layers=3",
-      "model.cpu_offloading_weights=True", "train.global_batch_size=4",
-      "train.micro_batch_size=4", "train.per_layer_step=True", f"optimizer.clip_grad={clip}",
-      "train.train_iters=3", f"checkpoint.dir={tmp_path}", "checkpoint.save_interval=1"])
+  config = load_config(None, TRAINER_SHAPE + offload + [
+      "train.global_batch_size=4", "train.micro_batch_size=4", "train.train_iters=3",
+      f"checkpoint.dir={tmp_path}", "checkpoint.save_interval=1"])
   losses = loop.train(config, log=lambda _: None)
   assert len(losses) == 3 and np.isfinite(losses).all()
   assert max(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()) == 3
