@@ -3,10 +3,10 @@
 ``python -m jaxoffload.plan --config X [overrides]`` tries, for the config's
 model and global batch, the optimizer offload (a fraction in layer-sized steps,
 updated on the device or by the host kernel), the activation setting (saved,
-recomputed in part or in full, offloaded by XLA on all but the last layer or on fewer,
-the rest saved, or moved by the trainer, with weights offload) and the micro-batch size; where nothing fits with the config's
-Adam moments, it searches again with bfloat16 moments, then 8-bit ones
-(``search.COMPACT_MOMENTS``).
+recomputed in part or in full, offloaded by XLA on all but the last layer or on
+fewer, the rest saved, or moved by the trainer, with weights offload) and the
+micro-batch size; where nothing fits with the config's Adam moments, it searches
+again with bfloat16 moments, then 8-bit ones (``search.COMPACT_MOMENTS``).
 Each candidate is judged before anything is allocated:
 
 - device peak: XLA's memory analysis of the step compiled from shapes alone
