@@ -181,18 +181,21 @@ def test_activations_moved_by_the_trainer_leave_device_memory(monkeypatch):
       in_use, offloaded)
 
 
-def test_weights_offloaded_a_program_per_layer_train_as_the_one_program_with_them_on_the_device():
+# The weights of the first 3 layers in pinned_host, read a program per layer.
+WEIGHTS_OFFLOADED = ["model.cpu_offloading=True", "model.cpu_offloading_num_layers=3",
+                     "model.cpu_offloading_weights=True", "train.per_layer_step=True"]
+
+
+def test_weights_read_a_program_per_layer_from_pinned_host_train_as_on_the_device():
   # Each layer's programs read their layer of the group's stack in pinned_host, sent to the
   # device a program ahead by the runtime's transfer. The reference keeps the weights on the
   # device: XLA fails on some GPUs (train.__main__.XLA_LOOKUP_ERROR) where the one program
   # reads them from pinned_host.
   from jaxoffload.train import Trainer, load_config, resolve
   base = TRAINER_SHAPE + ["train.global_batch_size=4", "train.micro_batch_size=4"]
-  weights = ["model.cpu_offloading=True", "model.cpu_offloading_num_layers=3",
-             "model.cpu_offloading_weights=True", "train.per_layer_step=True"]
   losses = {}
   for offloaded in (False, True):
-    setup = resolve(load_config(None, base + (weights if offloaded else [])))
+    setup = resolve(load_config(None, base + (WEIGHTS_OFFLOADED if offloaded else [])))
     assert setup.runs_per_layer == offloaded
     trainer = Trainer(setup)
     losses[offloaded] = [float(trainer.step(setup.global_batch(i))[0]) for i in range(3)]
@@ -200,10 +203,6 @@ def test_weights_offloaded_a_program_per_layer_train_as_the_one_program_with_the
   assert {x.sharding.memory_kind for x in jax.tree.leaves(stack)} == {"pinned_host"}
   # bfloat16 compute, fused differently in the two.
   np.testing.assert_allclose(losses[True], losses[False], rtol=2e-3)
-
-
-WEIGHTS_OFFLOADED = ["model.cpu_offloading=True", "model.cpu_offloading_num_layers=3",
-                     "model.cpu_offloading_weights=True", "train.per_layer_step=True"]
 
 
 @pytest.mark.parametrize("offload", [
