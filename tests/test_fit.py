@@ -334,6 +334,55 @@ def test_each_phase_of_a_step_is_drawn_to_the_models_depth_on_its_own(monkeypatc
     assert ladder.others(peaks) == 3 * 10**6 * 8 + 10**6
 
 
+def _offload(layers, *, weights=False, policy="qkv", moved=False):
+  return ["model.cpu_offloading=True", f"model.cpu_offloading_num_layers={layers}",
+          f"model.cpu_offloading_weights={weights}", f"model.cpu_offloading_policy={policy}",
+          f"model.cpu_offloading_double_buffering={moved}", "model.recompute_granularity=null"]
+
+
+def test_a_ladder_holds_no_less_where_it_offloads_no_more_at_no_smaller_micro_batch():
+  config = load_config(None, ["train.global_batch_size=8", "train.micro_batch_size=4"])
+  ladder = lambda overrides, size=4, place=("host_kernel", "device"): Ladder(
+      config, "", overrides + [f"train.micro_batch_size={size}"], place, MACHINE, None, 0)
+  three = ladder(_offload(3))
+  saved = ["model.cpu_offloading=False", "model.recompute_granularity=null"]
+  holds_more = [ladder(_offload(1)), ladder(saved), ladder(saved, 8), ladder(_offload(3), 8)]
+  assert all(other.holds_no_less(three) for other in holds_more)
+  may_hold_less = [
+      ladder(_offload(1), 2),  # A smaller micro-batch.
+      ladder(_offload(3, weights=True)),  # Its weights offloaded too.
+      ladder(_offload(1, policy="all")),  # Another policy.
+      ladder(_offload(1, moved=True), 1),  # Moved by the trainer.
+      ladder(saved[:1] + ["model.recompute_granularity=full"]),  # Recomputed.
+      ladder(saved, place=("device", None))]  # Another placement.
+  assert not any(other.holds_no_less(three) for other in may_hold_less)
+  assert three.holds_no_less(ladder(_offload(3, weights=True)))
+
+
+def test_what_holds_no_less_than_a_setting_that_does_not_fit_is_never_compiled(monkeypatch):
+  compiled = []
+
+  def compile(self, tokens, **_):  # Nothing fits the device.
+    compiled.append(self.setup.config.model.cpu_offloading_num_layers)
+    return CompiledStep((), 10**15, 0)
+
+  monkeypatch.setattr(Trainer, "compile", compile)
+  monkeypatch.setattr(compiling, "workers", lambda: 1)  # Nothing compiled ahead.
+  config = load_config(None, ["train.global_batch_size=4", "train.micro_batch_size=4"])
+  # Offloading is cheapest here: the setting that offloads most is judged first.
+  calibration = dataclasses.replace(CALIBRATION, layer_s={
+      "save": 0.004, "offload qkv": 0.001})
+  ladders = [Ladder(config, name, overrides, ("device", None), MACHINE, calibration, 0)
+             for name, overrides in [("three", _offload(3)), ("one", _offload(1)),
+                                     ("none", _offload(3)[:1] + _offload(3)[-1:])]]
+  best, rows = fit.search(ladders, Budgets(device=10**12, host=10**15))
+  assert best is None and compiled == [3]
+  assert {r.activations: r.verdict for r in rows} == {
+      "three": "no: device",
+      **{name: "not compiled: holds no less than three at micro-batch 4, which does not fit "
+               "the device" for name in ("one", "none")}}
+
+
 def test_a_setting_the_line_rules_out_is_compiled_whole_before_it_is(monkeypatch):
   # The shallow depths hold 50 MB a layer beside their state, the whole model 1 MB: the line
   # predicts no fit at the most offload, the whole model fits.

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-import math
 from typing import Callable, Optional
 
 import jax
@@ -101,8 +100,8 @@ def search(ladders: list[Ladder], budgets: Budgets) -> tuple[Optional[Candidate]
   Best first, by a bound on each ladder's step time that tightens as it is compiled: at
   first its least fraction whose state alone fits (found without compiling); once its
   most offload's peak is predicted (``Ladder.others``: compiled at two shallow depths;
-  if that peak, compiled whole, does not fit, neither does a larger micro-batch of its
-  activation setting), a layer-sized step below where that peak predicts the least fit
+  if that peak, compiled whole, does not fit, neither does any ladder that holds no less:
+  ``Ladder.holds_no_less``), a layer-sized step below where that peak predicts the least fit
   (``Ladder.predict``: a bound if the prediction errs by no more than that step); then
   the fit itself, compiled there (``Ladder.verify``). The search stops once the pick is
   faster than every bound left; where the device's budget is unknown, nothing is
@@ -110,12 +109,12 @@ def search(ladders: list[Ladder], budgets: Budgets) -> tuple[Optional[Candidate]
   other threads (``compiling.Peaks``): the outcome is the same.
   """
   rows = {n: ladder.least(budgets) for n, ladder in enumerate(ladders)}
-  # Per activation setting and placement, the least micro-batch that cannot fit.
-  best, too_large = None, {}
+  best, ruled_out = None, []  # Ladders whose most offload, compiled whole, did not fit.
   faster = lambda row: row.verdict == "fits" and (best is None or row.step_s < best.step_s)
+  held_more = lambda n: next(
+      (m for m in ruled_out if ladders[n].holds_no_less(ladders[m])), None)
   skipped = lambda bound, n, predicted: (best is not None and bound >= best.step_s) or (
-      not predicted and rows[n].micro_batch_size >= too_large.get(
-          (rows[n].activations, ladders[n].place), math.inf))
+      not predicted and held_more(n) is not None)
   queue = [(row.step_s, n, False) for n, row in rows.items() if not row.verdict]
   heapq.heapify(queue)
   with Peaks() as peaks:
@@ -133,14 +132,15 @@ def search(ladders: list[Ladder], budgets: Budgets) -> tuple[Optional[Candidate]
       elif predicted:
         rows[n] = ladder.verify(budgets, peaks)
         best = rows[n] if faster(rows[n]) else best
-      elif skipped(bound, n, predicted):
-        rows[n] = dataclasses.replace(row, verdict="not compiled: a smaller micro-batch does "
-                                                   "not fit the device")
+      elif held_more(n) is not None:
+        fails = rows[held_more(n)]
+        rows[n] = dataclasses.replace(row, verdict=(
+            f"not compiled: holds no less than {fails.activations} at micro-batch "
+            f"{fails.micro_batch_size}, which does not fit the device"))
       else:
         rows[n] = ladder.predict(budgets, peaks)
         if rows[n].verdict == "no: device":
-          setting = row.activations, ladder.place
-          too_large[setting] = min(row.micro_batch_size, too_large.get(setting, math.inf))
+          ruled_out.append(n)
         elif not rows[n].verdict:  # Predicted where the device's budget is known.
           heapq.heappush(queue, (ladder.bound(), n, True))
         best = rows[n] if faster(rows[n]) else best

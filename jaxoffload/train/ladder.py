@@ -15,7 +15,7 @@ from typing import Callable, Optional
 from jaxoffload import autoplace
 from jaxoffload.train import host_memory
 from jaxoffload.train.compiling import Peaks
-from jaxoffload.train.config import Config, ConfigError
+from jaxoffload.train.config import Config, ConfigError, ModelConfig
 from jaxoffload.train.loading import override
 from jaxoffload.train.resolve import Setup, resolve
 from jaxoffload.train.step import Trainer, resident_device_bytes
@@ -217,6 +217,26 @@ class Ladder:
       self._shallows[depth] = None
     return self._shallows[depth]
 
+  def holds_no_less(self, other: "Ladder") -> bool:
+    """Whether this ladder's most offload holds at least what ``other``'s holds on the
+    device, known without compiling: the same update placement and config but for its
+    micro-batch, no smaller, and its activation offload, no larger (no more layers sending
+    their activations or weights to the host, by the same policy and mover)."""
+    if self.place != other.place or self.judge(self.steps) is None:
+      return False
+    mine, theirs = (ladder.judge(ladder.steps)[0].config for ladder in (self, other))
+    neither = lambda config: dataclasses.replace(
+        config, model=_without_offload(config.model),
+        train=dataclasses.replace(config.train, micro_batch_size=0))
+    acts, weights = zip(*(_offloaded_layers(c.model) for c in (mine, theirs)))
+    same_mover = mine.model.cpu_offloading_double_buffering == \
+        theirs.model.cpu_offloading_double_buffering
+    return (neither(mine) == neither(theirs)
+            and mine.train.micro_batch_size >= theirs.train.micro_batch_size
+            and acts[0] <= acts[1] and weights[0] <= weights[1] and same_mover
+            and (not acts[0] or mine.model.cpu_offloading_policy
+                 == theirs.model.cpu_offloading_policy))
+
   def bound(self) -> float:
     """Once ``predict`` predicted, the step time of a layer-sized step below the predicted
     fit: the least ``verify`` finds unless the prediction was cautious by more than that
@@ -284,6 +304,21 @@ class Ladder:
     if step not in self._resident:
       self._resident[step] = resident_device_bytes(Trainer.from_shapes(self.judge(step)[0]))
     return self._resident[step]
+
+
+def _offloaded_layers(model: ModelConfig) -> tuple[int, int]:
+  """How many of ``model``'s layers send their activations, and their weights, to the host."""
+  layers = model.cpu_offloading_num_layers if model.cpu_offloading else 0
+  return (layers if model.cpu_offloading_activations else 0,
+          layers if model.cpu_offloading_weights else 0)
+
+
+def _without_offload(model: ModelConfig) -> ModelConfig:
+  """``model`` with no activation or weights offload, its offload keys at their defaults."""
+  default = ModelConfig()
+  return dataclasses.replace(model, **{key: getattr(default, key) for key in (
+      "cpu_offloading", "cpu_offloading_num_layers", "cpu_offloading_activations",
+      "cpu_offloading_weights", "cpu_offloading_double_buffering", "cpu_offloading_policy")})
 
 
 def _first(low: int, high: int, holds: Callable[[int], bool]) -> Optional[int]:
