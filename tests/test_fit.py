@@ -53,8 +53,8 @@ def test_compiling_ahead_on_several_threads_changes_only_when_steps_compile(
   budgets = plan.Budgets(device=int((state * 0.7 + TEMPORARIES) / 0.95), host=10**12)
   outcomes, asked = [], {1: [], 3: []}
   ask = Peaks.ask
-  monkeypatch.setattr(Peaks, "ask", lambda self, key, setup: (asked[self.workers].append(key),
-                                                              ask(self, key, setup))[1])
+  monkeypatch.setattr(Peaks, "ask", lambda self, setup: (
+      asked[self.workers].append(setup.config), ask(self, setup))[1])
   for threads in asked:
     monkeypatch.setattr(compiling, "workers", lambda: threads)
     outcomes.append(plan.plan(config, budgets, machine=MACHINE, calibration=CALIBRATION,
@@ -334,6 +334,34 @@ def test_each_phase_of_a_step_is_drawn_to_the_models_depth_on_its_own(monkeypatc
     assert ladder.others(peaks) == 3 * 10**6 * 8 + 10**6
 
 
+def test_a_partial_offload_is_drawn_between_none_and_most_offloaded_from_their_compiles(
+    monkeypatch):
+  # A saved layer holds 3 MB beside the resident state, an offloaded one 1 MB.
+  compiled = []
+
+  def compile(self, tokens, **_):
+    m = self.setup.config.model
+    offloaded = m.cpu_offloading_num_layers if m.cpu_offloading else 0
+    compiled.append((m.num_layers, offloaded))
+    return CompiledStep((), resident_device_bytes(self) + 3 * 10**6 * (m.num_layers - offloaded)
+                        + 10**6 * offloaded + TEMPORARIES, 0)
+
+  monkeypatch.setattr(Trainer, "compile", compile)
+  monkeypatch.setattr(ladders, "DEEP", 8)  # 8 layers predicted as a deeper model would be.
+  config = load_config(None, ["train.global_batch_size=4", "train.micro_batch_size=4",
+                              "model.num_layers=8"])
+  settings = search.activation_settings(config, backend="gpu")
+  with Peaks(threads=1) as peaks:
+    for name, layers in [("offload qkv, 4 layers", 4), ("offload qkv, 7 layers", 7),
+                         ("save everything", 0)]:
+      ladder = Ladder(config, name, settings[name], ("device", None), MACHINE, None, 0)
+      ladder.least(Budgets(device=10**12, host=10**12))
+      assert ladder.others(peaks) == 3 * 10**6 * (8 - layers) + 10**6 * layers + TEMPORARIES
+  # The partial offload's lines are the others' own: each shallow model compiled once.
+  assert sorted(compiled) == sorted([(depth, offloaded) for depth in SHALLOW
+                                     for offloaded in (0, depth - 1)])
+
+
 def _offload(layers, *, weights=False, policy="qkv", moved=False):
   return ["model.cpu_offloading=True", f"model.cpu_offloading_num_layers={layers}",
           f"model.cpu_offloading_weights={weights}", f"model.cpu_offloading_policy={policy}",
@@ -420,6 +448,6 @@ def test_the_line_through_two_shallow_depths_predicts_the_whole_models_compiled_
   assert ladder.least(Budgets(device=10**12, host=10**13)).verdict == ""
   with Peaks() as peaks:
     predicted = ladder.others(peaks)
-    setup, candidate = ladder.judge(ladder.steps)
-    compiled = max(peaks.get(candidate.overrides, setup)) - ladder.resident_bytes(ladder.steps)
+    compiled = max(peaks.get(ladder.judge(ladder.steps)[0])) - ladder.resident_bytes(
+        ladder.steps)
   assert predicted == pytest.approx(compiled, rel=0.005)

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Hashable, Optional
+from typing import Optional
 
 import jax
 
+from jaxoffload.train.config import Config
 from jaxoffload.train.resolve import Setup
 from jaxoffload.train.step import Trainer
 
@@ -44,8 +45,8 @@ def step_peaks(setup: Setup) -> tuple[int, ...]:
 
 
 class Peaks:
-  """Steps' device peaks by phase (``step_peaks``) by a key, each compiled once, ``workers``
-  at a time.
+  """Steps' device peaks by phase (``step_peaks``), each config's compiled once (settings
+  named by other overrides share it), ``workers`` at a time.
 
   ``ask`` starts a compile and returns; ``get`` waits for one (asking for it first). A search
   asks ahead only where ``workers`` > 1: with one thread a step asked for ahead would delay
@@ -54,14 +55,14 @@ class Peaks:
 
   Example:
     >>> with Peaks() as peaks:
-    ...   peaks.ask("b", setup_b)
-    ...   fits = max(peaks.get("a", setup_a)) <= budget
+    ...   peaks.ask(setup_b)
+    ...   fits = max(peaks.get(setup_a)) <= budget
   """
 
   def __init__(self, threads: Optional[int] = None):
     self.workers = threads or workers()
     self._pool = ThreadPoolExecutor(self.workers)
-    self._futures: dict[Hashable, Future] = {}
+    self._futures: dict[Config, Future] = {}
 
   def __enter__(self) -> "Peaks":
     return self
@@ -69,12 +70,12 @@ class Peaks:
   def __exit__(self, *exc) -> None:
     self._pool.shutdown(wait=True, cancel_futures=True)
 
-  def ask(self, key: Hashable, setup: Setup) -> None:
-    """Starts compiling ``setup``'s step unless it was asked for under ``key`` before."""
-    if key not in self._futures:
-      self._futures[key] = self._pool.submit(step_peaks, setup)
+  def ask(self, setup: Setup) -> None:
+    """Starts compiling ``setup``'s step unless its config's was asked for before."""
+    if setup.config not in self._futures:
+      self._futures[setup.config] = self._pool.submit(step_peaks, setup)
 
-  def get(self, key: Hashable, setup: Setup) -> tuple[int, ...]:
-    """The device peak of each phase of ``setup``'s step, compiled (once) under ``key``."""
-    self.ask(key, setup)
-    return self._futures[key].result()
+  def get(self, setup: Setup) -> tuple[int, ...]:
+    """The device peak of each phase of ``setup``'s step, compiled (once)."""
+    self.ask(setup)
+    return self._futures[setup.config].result()

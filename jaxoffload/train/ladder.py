@@ -102,7 +102,7 @@ class Ladder:
     self._resident: dict[int, int] = {}
     self._compiled: dict[int, Candidate] = {}  # Per step compiled, its row with its peak.
     self._guess: Optional[int] = None  # Where ``predict`` found the least fit would be.
-    self._shallows: dict[int, Optional[tuple[tuple[str, ...], Setup]]] = {}
+    self._shallows: dict[tuple[int, int], Optional[Setup]] = {}
 
   def judge(self, step: int) -> Optional[tuple[Setup, Candidate]]:
     """Step ``step``'s setup and candidate (not compiled); None where a rule refuses it."""
@@ -151,7 +151,7 @@ class Ladder:
     that peak predicts to fit, not yet compiled (its verdict empty; ``bound``, ``verify``).
     What the step holds beyond its resident state (activations, gradients, temporaries:
     ``others``), with another fraction's resident state, predicts that fraction's peak.
-    ``peaks`` holds the device peaks compiled so far, by overrides, and gets this ladder's.
+    ``peaks`` holds the device peaks compiled so far and gets this ladder's.
     Where the device's budget is unknown (CPUs) nothing is compiled: the least offload,
     judged by the host alone."""
     if budgets.device is None:  # No budget to judge a peak against: the least offload wins.
@@ -177,45 +177,65 @@ class Ladder:
     Compiled at two shallow depths (``SHALLOW``) and drawn to the model's by a line, each
     phase of the step on its own (a program per layer holds the larger of what the layers'
     programs and the update need): activations, gradients and their sums grow a layer at
-    a time. A model shallower than ``DEEP``, or one whose shallow versions the rules
-    refuse, is compiled itself."""
-    pair = self._shallow_pair()
-    if not pair:
+    a time. An offload by XLA of fewer layers than all but the last lies between the lines
+    of the same model with none and with all but the last offloaded, in proportion to its
+    offloaded layers (each holds what it holds in place of a saved layer's): those are the
+    shallow versions of the ladders that save everything and that offload most, compiled
+    once for all of them. A model shallower than ``DEEP``, or one whose shallow versions
+    the rules refuse, is compiled itself."""
+    lines = self._shallow_lines()
+    if not lines:
       return self._peak(self.steps, peaks) - self.resident_bytes(self.steps)
-    for key, small in pair:
-      peaks.ask(key, small)
-    one, two = ([peak - resident_device_bytes(Trainer.from_shapes(small))
-                 for peak in peaks.get(key, small)] for key, small in pair)
-    steps = (self.steps - SHALLOW[0]) / (SHALLOW[1] - SHALLOW[0])
-    return round(max(a + (b - a) * steps for a, b in zip(one, two))) + self._moved_bytes(
-        self.steps)
+    for pair in lines:
+      for small in pair:
+        peaks.ask(small)
+    drawn = [self._drawn(pair, peaks) for pair in lines]
+    if len(drawn) == 2:  # Between none and all but the last layer offloaded.
+      share = _offloaded_layers(self.judge(self.steps)[0].config.model)[0] / (self.steps - 1)
+      drawn = [[none + (most - none) * share for none, most in zip(*drawn)]]
+    return round(max(drawn[0])) + self._moved_bytes(self.steps)
 
-  def _shallow_pair(self) -> list[tuple[tuple[str, ...], Setup]]:
-    """The most offload's versions at ``SHALLOW``'s depths, with their keys; none where
-    ``others`` compiles the model itself."""
+  def _drawn(self, pair: tuple[Setup, Setup], peaks: Peaks) -> list[float]:
+    """Each phase's bytes beyond the resident state, drawn from ``pair``'s depths to the
+    model's."""
+    one, two = ([peak - resident_device_bytes(Trainer.from_shapes(small))
+                 for peak in peaks.get(small)] for small in pair)
+    steps = (self.steps - SHALLOW[0]) / (SHALLOW[1] - SHALLOW[0])
+    return [a + (b - a) * steps for a, b in zip(one, two)]
+
+  def _shallow_lines(self) -> list[tuple[Setup, Setup]]:
+    """The most offload's versions at ``SHALLOW``'s depths that ``others`` draws its lines
+    through: one pair, or two for a partial offload by XLA; none where ``others`` compiles
+    the model itself."""
     if self.steps < DEEP:
       return []
-    pair = [self._shallow(depth) for depth in SHALLOW]
-    return [] if None in pair else pair
-
-  def _shallow(self, depth: int) -> Optional[tuple[tuple[str, ...], Setup]]:
-    """The most offload's setting with ``depth`` layers, as many of them offloaded in
-    proportion (all but the last where the model offloads all but its last), with its key;
-    None where the rules refuse it."""
-    if depth in self._shallows:
-      return self._shallows[depth]
     model = self.judge(self.steps)[0].config.model
-    offloaded = model.cpu_offloading_num_layers
-    if offloaded:
-      offloaded = (depth - 1 if offloaded == model.num_layers - 1 else
-                   max(1, round(offloaded * depth / model.num_layers)))
-    overrides = self.judge(self.steps)[1].overrides + (
-        f"model.num_layers={depth}", f"model.cpu_offloading_num_layers={offloaded}")
-    try:
-      self._shallows[depth] = overrides, resolve(override(self.config, list(overrides)))
-    except ConfigError:
-      self._shallows[depth] = None
-    return self._shallows[depth]
+    offloaded = model.cpu_offloading_num_layers if model.cpu_offloading else 0
+    if 0 < offloaded < self.steps - 1 and not model.cpu_offloading_double_buffering:
+      counts = [lambda depth: 0, lambda depth: depth - 1]
+    elif offloaded == self.steps - 1:
+      counts = [lambda depth: depth - 1]
+    else:  # Moved by the trainer, or none: as many in proportion.
+      counts = [lambda depth: offloaded and max(1, round(offloaded * depth / self.steps))]
+    lines = [tuple(self._shallow(depth, count(depth)) for depth in SHALLOW) for count in counts]
+    return [] if any(None in pair for pair in lines) else lines
+
+  def _shallow(self, depth: int, offloaded: int) -> Optional[Setup]:
+    """The most offload's setting with ``depth`` layers, ``offloaded`` of them offloaded;
+    None where the rules refuse it. Without offload, its offload keys are their defaults:
+    every such version of a model is one config, compiled once."""
+    if (depth, offloaded) not in self._shallows:
+      overrides = list(self.judge(self.steps)[1].overrides) + [
+          f"model.num_layers={depth}", f"model.cpu_offloading_num_layers={offloaded}"]
+      try:
+        config = override(self.config, overrides + (
+            [] if offloaded else ["model.cpu_offloading=False"]))
+        if not offloaded:
+          config = dataclasses.replace(config, model=_without_offload(config.model))
+        self._shallows[depth, offloaded] = resolve(config)
+      except ConfigError:
+        self._shallows[depth, offloaded] = None
+    return self._shallows[depth, offloaded]
 
   def holds_no_less(self, other: "Ladder") -> bool:
     """Whether this ladder's most offload holds at least what ``other``'s holds on the
@@ -268,16 +288,17 @@ class Ladder:
     if predicted:
       self._ask(self._guess, peaks)
     elif self.judge(self.steps) is not None:
-      pair = self._shallow_pair()
-      for key, small in pair:
-        peaks.ask(key, small)
-      if not pair:
+      lines = self._shallow_lines()
+      for pair in lines:
+        for small in pair:
+          peaks.ask(small)
+      if not lines:
         self._ask(self.steps, peaks)
 
   def _ask(self, step: int, peaks: Peaks) -> None:
     judged = self.judge(step)
     if judged is not None:
-      peaks.ask(judged[1].overrides, judged[0])
+      peaks.ask(judged[0])
 
   def _fits(self, step: int, budgets: Budgets, peaks: Peaks) -> bool:
     """Whether step ``step``'s compiled peak (``_peak``) fits the device; its row, with that
@@ -289,8 +310,7 @@ class Ladder:
   def _peak(self, step: int, peaks: Peaks) -> int:
     """Step ``step``'s compiled device peak, with the moved activations' originals that the
     link leaves on the device."""
-    setup, candidate = self.judge(step)
-    return max(peaks.get(candidate.overrides, setup)) + self._moved_bytes(step)
+    return max(peaks.get(self.judge(step)[0])) + self._moved_bytes(step)
 
   def _moved_bytes(self, step: int) -> int:
     """With a calibration, the moved activations' originals of step ``step`` that the link
