@@ -191,7 +191,8 @@ class Ladder:
         peaks.ask(small)
     drawn = [self._drawn(pair, peaks) for pair in lines]
     if len(drawn) == 2:  # Between none and all but the last layer offloaded.
-      share = _offloaded_layers(self.judge(self.steps)[0].config.model)[0] / (self.steps - 1)
+      offloaded = self.judge(self.steps)[0].config.model.cpu_offloading_num_layers
+      share = offloaded / (self.steps - 1)
       drawn = [[none + (most - none) * share for none, most in zip(*drawn)]]
     return round(max(drawn[0])) + self._moved_bytes(self.steps)
 
