@@ -245,9 +245,12 @@ def test_where_an_offloaded_layer_costs_more_than_a_saved_one_the_fewest_that_fi
   by_name = {(r.activations, r.micro_batch_size): r for r in rows if r.fraction == 0}
   # Offloading more layers fits too, but each costs more than the saved layer it replaces.
   assert by_name["offload qkv, 3 layers", 4].step_s == pytest.approx(0.625 * 0.029, rel=1e-3)
-  # Saving every layer needs 16 units, even with the whole optimizer state offloaded.
-  assert {r.verdict for r in rows if r.activations == "save everything"
-          and r.micro_batch_size == 4} == {"no: device"}
+  # Saving every layer needs 16 units, even with the whole optimizer state offloaded: its
+  # peak predicted so, the step below the most offload is slower than the pick, and the
+  # model is never compiled whole to confirm it.
+  saved = [r for r in rows if r.activations == "save everything" and r.micro_batch_size == 4]
+  assert saved and {(r.verdict, r.device_bytes) for r in saved} == {
+      ("its peak predicted: slower than the pick", None)}
 
 
 def test_the_host_column_is_explained_by_what_it_counts(monkeypatch):

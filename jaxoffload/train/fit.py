@@ -99,11 +99,12 @@ def search(ladders: list[Ladder], budgets: Budgets) -> tuple[Optional[Candidate]
 
   Best first, by a bound on each ladder's step time that tightens as it is compiled: at
   first its least fraction whose state alone fits (found without compiling); once its
-  most offload's peak is predicted (``Ladder.others``: compiled at two shallow depths;
-  if that peak, compiled whole, does not fit, neither does any ladder that holds no less:
-  ``Ladder.holds_no_less``), a layer-sized step below where that peak predicts the least fit
-  (``Ladder.predict``: a bound if the prediction errs by no more than that step); then
-  the fit itself, compiled there (``Ladder.verify``). The search stops once the pick is
+  most offload's peak is predicted (``Ladder.others``: compiled at two shallow depths),
+  a layer-sized step below where that peak predicts the least fit, or below the most
+  offload where it predicts none (``Ladder.predict``: a bound if the prediction errs by no
+  more than that step); then the fit itself, compiled there (``Ladder.verify``; where the
+  most offload, compiled whole, does not fit, neither does any ladder that holds no less:
+  ``Ladder.holds_no_less``). The search stops once the pick is
   faster than every bound left; where the device's budget is unknown, nothing is
   compiled. Meanwhile what the next ladders in line would compile first is compiled on
   other threads (``compiling.Peaks``): the outcome is the same.
@@ -131,6 +132,8 @@ def search(ladders: list[Ladder], budgets: Budgets) -> tuple[Optional[Candidate]
             else "not compiled: slower than the pick"))
       elif predicted:
         rows[n] = ladder.verify(budgets, peaks)
+        if rows[n].verdict == "no: device":
+          ruled_out.append(n)
         best = rows[n] if faster(rows[n]) else best
       elif held_more(n) is not None:
         fails = rows[held_more(n)]
@@ -139,9 +142,7 @@ def search(ladders: list[Ladder], budgets: Budgets) -> tuple[Optional[Candidate]
             f"{fails.micro_batch_size}, which does not fit the device"))
       else:
         rows[n] = ladder.predict(budgets, peaks)
-        if rows[n].verdict == "no: device":
-          ruled_out.append(n)
-        elif not rows[n].verdict:  # Predicted where the device's budget is known.
+        if not rows[n].verdict:  # Predicted where the device's budget is known.
           heapq.heappush(queue, (ladder.bound(), n, True))
         best = rows[n] if faster(rows[n]) else best
   # Without offload, both placements are one setting: its row once, the pick's where it is.

@@ -101,7 +101,8 @@ class Ladder:
     self._refusal = ""  # Why the config's rules refused a step, the last one they did.
     self._resident: dict[int, int] = {}
     self._compiled: dict[int, Candidate] = {}  # Per step compiled, its row with its peak.
-    self._guess: Optional[int] = None  # Where ``predict`` found the least fit would be.
+    self._guess: Optional[int] = None  # Where ``predict`` found the least fit would be,
+    self._beyond = False  # or the most offload, where it found none.
     self._shallows: dict[tuple[int, int], Optional[Setup]] = {}
 
   def judge(self, step: int) -> Optional[tuple[Setup, Candidate]]:
@@ -146,30 +147,29 @@ class Ladder:
         candidate, verdict="no: host")
 
   def predict(self, budgets: Budgets, peaks: Peaks) -> Candidate:
-    """The most offload's peak predicted (``others``), and compiled where that does not fit
-    the device: its row where it does not fit (then nothing does); else the least offload
-    that peak predicts to fit, not yet compiled (its verdict empty; ``bound``, ``verify``).
-    What the step holds beyond its resident state (activations, gradients, temporaries:
-    ``others``), with another fraction's resident state, predicts that fraction's peak.
-    ``peaks`` holds the device peaks compiled so far and gets this ladder's.
-    Where the device's budget is unknown (CPUs) nothing is compiled: the least offload,
-    judged by the host alone."""
+    """The least offload that the most offload's predicted peak (``others``) predicts to fit
+    the device, not yet compiled (its verdict empty; ``bound``, ``verify``); where none is
+    predicted to, the most offload, compiled only if ``verify`` is reached (its ``bound``,
+    a layer-sized step below it, may already be slower than the pick). What the step holds
+    beyond its resident state (activations, gradients, temporaries: ``others``), with
+    another fraction's resident state, predicts that fraction's peak. ``peaks`` holds the
+    device peaks compiled so far and gets this ladder's. Where the device's budget is
+    unknown (CPUs) nothing is compiled: the least offload, judged by the host alone."""
     if budgets.device is None:  # No budget to judge a peak against: the least offload wins.
       candidate = self.judge(self._least)[1]
       return dataclasses.replace(candidate, verdict="fits" if budgets.fits_host(candidate)
                                  else "no: host")
     self._compiled = {}
-    others = self.others(peaks)
-    if not budgets.fits_device(dataclasses.replace(
-        self.judge(self.steps)[1], device_bytes=others + self.resident_bytes(self.steps))):
-      # Ruled out only once compiled whole: a line drawn from shallow depths may err.
-      if not self._fits(self.steps, budgets, peaks):
-        return dataclasses.replace(self._compiled[self.steps], verdict="no: device")
-      others = self._compiled[self.steps].device_bytes - self.resident_bytes(self.steps)
-    fits = lambda step: budgets.fits_device(dataclasses.replace(
-        self.judge(step)[1], device_bytes=others + self.resident_bytes(step)))
-    self._guess = _first(self._least, self.steps, fits)
+    self._guess = self._predicted_fit(budgets, self.others(peaks))
+    self._beyond = self._guess is None
+    if self._beyond:
+      self._guess = self.steps
     return self.judge(self._guess)[1]
+
+  def _predicted_fit(self, budgets: Budgets, others: int) -> Optional[int]:
+    """The least step whose resident state and ``others`` fit the device; None if none."""
+    return _first(self._least, self.steps, lambda step: budgets.fits_device(
+        dataclasses.replace(self.judge(step)[1], device_bytes=others + self.resident_bytes(step))))
 
   def others(self, peaks: Peaks) -> int:
     """What the step at the most offload holds on the device beyond its resident state,
@@ -268,10 +268,17 @@ class Ladder:
     """After ``predict``: the least offload whose compiled step fits the device, and
     whether it fits the host. The predicted fit is compiled, and the step below it where
     that fits too (then a bisection below); where it does not (a wrong prediction), a
-    bisection above it."""
+    bisection above it. Where no fit was predicted, the most offload is compiled: its row
+    where it does not fit the device (then nothing does); else its compiled peak predicts
+    again, as the line's did."""
     fits = lambda step: self._fits(step, budgets, peaks)
+    assert self._guess is not None, "verify follows predict"
+    if self._beyond:  # Ruled out only once compiled whole: a line drawn may err.
+      if not fits(self.steps):
+        return dataclasses.replace(self._compiled[self.steps], verdict="no: device")
+      self._guess = self._predicted_fit(
+          budgets, self._compiled[self.steps].device_bytes - self.resident_bytes(self.steps))
     guess = self._guess
-    assert guess is not None, "verify follows predict"
     if peaks.workers > 1 and guess > self._least:  # Judged next where the guess fits.
       self._ask(guess - 1, peaks)
     if not fits(guess):
