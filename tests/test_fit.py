@@ -10,10 +10,9 @@ import pytest
 from jaxoffload import autoplace, plan
 from jaxoffload.memory import offloaded_activation_bytes
 from jaxoffload.plan import search
-from jaxoffload.train import compiling, fit, load_config, resolve, train
+from jaxoffload.train import compiling, fit, load_config, resolve, shallow, train
 from jaxoffload.train.compiling import Peaks
-from jaxoffload.train import ladder as ladders
-from jaxoffload.train.ladder import (HOST_HEADROOM, SHALLOW, Budgets, Candidate, Ladder,
+from jaxoffload.train.ladder import (HOST_HEADROOM, Budgets, Candidate, Ladder,
                                      offload_overrides)
 from jaxoffload.train.step import CompiledStep, Trainer, resident_device_bytes
 from tests.planning import CALIBRATION, MACHINE, TEMPORARIES, compiled_as_resident  # noqa: F401
@@ -291,7 +290,7 @@ def test_a_ladder_predicts_its_peak_from_two_shallow_depths_then_compiles_where_
     return CompiledStep((), peak(compiles[-1][1], compiles[-1][0]), 0)
 
   monkeypatch.setattr(Trainer, "compile", compile)
-  monkeypatch.setattr(ladders, "DEEP", 8)  # 8 layers predicted as a deeper model would be.
+  monkeypatch.setattr(shallow, "DEEP", 8)  # 8 layers predicted as a deeper model would be.
   config = load_config(None, ["train.global_batch_size=4", "train.micro_batch_size=4",
                               "model.num_layers=8"])
   ladder = Ladder(config, "as configured", [], ("device", None), MACHINE, None, 0)
@@ -301,7 +300,7 @@ def test_a_ladder_predicts_its_peak_from_two_shallow_depths_then_compiles_where_
   with Peaks(threads=1) as peaks:
     assert ladder.predict(budgets, peaks).verdict == ""  # Predicted, not yet compiled.
     # The most offload at 2 and 4 layers; the whole model not yet.
-    assert [layers for layers, _ in compiles] == list(SHALLOW)
+    assert [layers for layers, _ in compiles] == list(shallow.SHALLOW)
     row = ladder.verify(budgets, peaks)
   least = next(step for step in range(9)
                if peak(ladder.resident_bytes(step), 8) <= 0.95 * budgets.device)
@@ -325,7 +324,7 @@ def test_each_phase_of_a_step_is_drawn_to_the_models_depth_on_its_own(monkeypatc
     return CompiledStep((), max(phases), 0, phases)
 
   monkeypatch.setattr(Trainer, "compile", compile)
-  monkeypatch.setattr(ladders, "DEEP", 8)  # 8 layers predicted as a deeper model would be.
+  monkeypatch.setattr(shallow, "DEEP", 8)  # 8 layers predicted as a deeper model would be.
   config = load_config(None, ["train.global_batch_size=4", "train.micro_batch_size=4",
                               "model.num_layers=8"])
   ladder = Ladder(config, "as configured", [], ("device", None), MACHINE, None, 0)
@@ -347,7 +346,7 @@ def test_a_partial_offload_is_drawn_between_none_and_most_offloaded_from_their_c
                         + 10**6 * offloaded + TEMPORARIES, 0)
 
   monkeypatch.setattr(Trainer, "compile", compile)
-  monkeypatch.setattr(ladders, "DEEP", 8)  # 8 layers predicted as a deeper model would be.
+  monkeypatch.setattr(shallow, "DEEP", 8)  # 8 layers predicted as a deeper model would be.
   config = load_config(None, ["train.global_batch_size=4", "train.micro_batch_size=4",
                               "model.num_layers=8"])
   settings = search.activation_settings(config, backend="gpu")
@@ -358,7 +357,7 @@ def test_a_partial_offload_is_drawn_between_none_and_most_offloaded_from_their_c
       ladder.least(Budgets(device=10**12, host=10**12))
       assert ladder.others(peaks) == 3 * 10**6 * (8 - layers) + 10**6 * layers + TEMPORARIES
   # The partial offload's lines are the others' own: each shallow model compiled once.
-  assert sorted(compiled) == sorted([(depth, offloaded) for depth in SHALLOW
+  assert sorted(compiled) == sorted([(depth, offloaded) for depth in shallow.SHALLOW
                                      for offloaded in (0, depth - 1)])
 
 
@@ -420,7 +419,7 @@ def test_a_setting_the_line_rules_out_is_compiled_whole_before_it_is(monkeypatch
                                                            5 * 10**7 * layers), 0)
 
   monkeypatch.setattr(Trainer, "compile", compile)
-  monkeypatch.setattr(ladders, "DEEP", 8)
+  monkeypatch.setattr(shallow, "DEEP", 8)
   config = load_config(None, ["train.global_batch_size=4", "train.micro_batch_size=4",
                               "model.num_layers=8"])
   ladder = Ladder(config, "as configured", [], ("device", None), MACHINE, None, 0)
@@ -439,7 +438,7 @@ def test_the_line_through_two_shallow_depths_predicts_the_whole_models_compiled_
   # XLA's offload of q/k/v, whose copies need a few layers to take the schedule they keep,
   # with the host kernel's gradients summed on the host; 8 layers predicted as a deeper
   # model would be.
-  monkeypatch.setattr(ladders, "DEEP", 8)
+  monkeypatch.setattr(shallow, "DEEP", 8)
   config = load_config(None, ["model.num_layers=8", "train.global_batch_size=8",
                               "train.micro_batch_size=2"])
   setting = "offload qkv, 7 layers"

@@ -13,9 +13,9 @@ import math
 from typing import Callable, Optional
 
 from jaxoffload import autoplace
-from jaxoffload.train import host_memory
+from jaxoffload.train import host_memory, shallow
 from jaxoffload.train.compiling import Peaks
-from jaxoffload.train.config import Config, ConfigError, ModelConfig
+from jaxoffload.train.config import Config, ConfigError
 from jaxoffload.train.loading import override
 from jaxoffload.train.resolve import Setup, resolve
 from jaxoffload.train.step import Trainer, resident_device_bytes
@@ -23,12 +23,6 @@ from jaxoffload.train.step_time import Calibration, moved_copies, predict_s
 
 DEVICE_HEADROOM = 0.05  # XLA's estimate leaves out fragmentation and the runtime's own use.
 HOST_HEADROOM = 0.10  # The guard's arithmetic leaves out allocator growth it cannot see.
-# The depths a ladder's step is compiled at to predict its peak at any depth (``Ladder.others``):
-# deep enough that XLA's offload copies reach the schedule they keep in deeper models.
-SHALLOW = (4, 6)
-# The least depth predicted from ``SHALLOW``: the search compiles a model whole where it
-# predicts a fit anyway, so the shallow compiles pay where they are well under one whole one.
-DEEP = 2 * sum(SHALLOW)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +97,7 @@ class Ladder:
     self._compiled: dict[int, Candidate] = {}  # Per step compiled, its row with its peak.
     self._guess: Optional[int] = None  # Where ``predict`` found the least fit would be,
     self._beyond = False  # or the most offload, where it found none.
-    self._shallows: dict[tuple[int, int], Optional[Setup]] = {}
+    self._lines: Optional[list[shallow.Pair]] = None  # ``shallow.versions``, once found.
 
   def judge(self, step: int) -> Optional[tuple[Setup, Candidate]]:
     """Step ``step``'s setup and candidate (not compiled); None where a rule refuses it."""
@@ -173,70 +167,21 @@ class Ladder:
 
   def others(self, peaks: Peaks) -> int:
     """What the step at the most offload holds on the device beyond its resident state,
-    and the moved activations' originals the link leaves there (``step_time.moved_copies``).
-    Compiled at two shallow depths (``SHALLOW``) and drawn to the model's by a line, each
-    phase of the step on its own (a program per layer holds the larger of what the layers'
-    programs and the update need): activations, gradients and their sums grow a layer at
-    a time. An offload by XLA of fewer layers than all but the last lies between the lines
-    of the same model with none and with all but the last offloaded, in proportion to its
-    offloaded layers (each holds what it holds in place of a saved layer's): those are the
-    shallow versions of the ladders that save everything and that offload most, compiled
-    once for all of them. A model shallower than ``DEEP``, or one whose shallow versions
-    the rules refuse, is compiled itself."""
+    and the moved activations' originals the link leaves there (``step_time.moved_copies``):
+    drawn from shallow versions of it (``shallow``), or compiled whole where the model is
+    shallower than ``shallow.DEEP`` or the rules refuse its shallow versions."""
     lines = self._shallow_lines()
     if not lines:
       return self._peak(self.steps, peaks) - self.resident_bytes(self.steps)
-    for pair in lines:
-      for small in pair:
-        peaks.ask(small)
-    drawn = [self._drawn(pair, peaks) for pair in lines]
-    if len(drawn) == 2:  # Between none and all but the last layer offloaded.
-      offloaded = self.judge(self.steps)[0].config.model.cpu_offloading_num_layers
-      share = offloaded / (self.steps - 1)
-      drawn = [[none + (most - none) * share for none, most in zip(*drawn)]]
-    return round(max(drawn[0])) + self._moved_bytes(self.steps)
+    return shallow.others(lines, self.judge(self.steps)[0].config.model,
+                          peaks) + self._moved_bytes(self.steps)
 
-  def _drawn(self, pair: tuple[Setup, Setup], peaks: Peaks) -> list[float]:
-    """Each phase's bytes beyond the resident state, drawn from ``pair``'s depths to the
-    model's."""
-    one, two = ([peak - resident_device_bytes(Trainer.from_shapes(small))
-                 for peak in peaks.get(small)] for small in pair)
-    steps = (self.steps - SHALLOW[0]) / (SHALLOW[1] - SHALLOW[0])
-    return [a + (b - a) * steps for a, b in zip(one, two)]
-
-  def _shallow_lines(self) -> list[tuple[Setup, Setup]]:
-    """The most offload's versions at ``SHALLOW``'s depths that ``others`` draws its lines
-    through: one pair, or two for a partial offload by XLA; none where ``others`` compiles
-    the model itself."""
-    if self.steps < DEEP:
-      return []
-    model = self.judge(self.steps)[0].config.model
-    offloaded = model.cpu_offloading_num_layers if model.cpu_offloading else 0
-    if 0 < offloaded < self.steps - 1 and not model.cpu_offloading_double_buffering:
-      counts = [lambda depth: 0, lambda depth: depth - 1]
-    elif offloaded == self.steps - 1:
-      counts = [lambda depth: depth - 1]
-    else:  # Moved by the trainer, or none: as many in proportion.
-      counts = [lambda depth: offloaded and max(1, round(offloaded * depth / self.steps))]
-    lines = [tuple(self._shallow(depth, count(depth)) for depth in SHALLOW) for count in counts]
-    return [] if any(None in pair for pair in lines) else lines
-
-  def _shallow(self, depth: int, offloaded: int) -> Optional[Setup]:
-    """The most offload's setting with ``depth`` layers, ``offloaded`` of them offloaded;
-    None where the rules refuse it. Without offload, its offload keys are their defaults:
-    every such version of a model is one config, compiled once."""
-    if (depth, offloaded) not in self._shallows:
-      overrides = list(self.judge(self.steps)[1].overrides) + [
-          f"model.num_layers={depth}", f"model.cpu_offloading_num_layers={offloaded}"]
-      try:
-        config = override(self.config, overrides + (
-            [] if offloaded else ["model.cpu_offloading=False"]))
-        if not offloaded:
-          config = dataclasses.replace(config, model=_without_offload(config.model))
-        self._shallows[depth, offloaded] = resolve(config)
-      except ConfigError:
-        self._shallows[depth, offloaded] = None
-    return self._shallows[depth, offloaded]
+  def _shallow_lines(self) -> list[shallow.Pair]:
+    """The most offload's ``shallow.versions``, found once."""
+    if self._lines is None:
+      setup, candidate = self.judge(self.steps)
+      self._lines = shallow.versions(self.config, candidate.overrides, setup.config.model)
+    return self._lines
 
   def holds_no_less(self, other: "Ladder") -> bool:
     """Whether this ladder's most offload holds at least what ``other``'s holds on the
@@ -247,9 +192,9 @@ class Ladder:
       return False
     mine, theirs = (ladder.judge(ladder.steps)[0].config for ladder in (self, other))
     neither = lambda config: dataclasses.replace(
-        config, model=_without_offload(config.model),
+        config, model=shallow.without_offload(config.model),
         train=dataclasses.replace(config.train, micro_batch_size=0))
-    acts, weights = zip(*(_offloaded_layers(c.model) for c in (mine, theirs)))
+    acts, weights = zip(*(shallow.offloaded_layers(c.model) for c in (mine, theirs)))
     same_mover = mine.model.cpu_offloading_double_buffering == \
         theirs.model.cpu_offloading_double_buffering
     return (neither(mine) == neither(theirs)
@@ -332,21 +277,6 @@ class Ladder:
     if step not in self._resident:
       self._resident[step] = resident_device_bytes(Trainer.from_shapes(self.judge(step)[0]))
     return self._resident[step]
-
-
-def _offloaded_layers(model: ModelConfig) -> tuple[int, int]:
-  """How many of ``model``'s layers send their activations, and their weights, to the host."""
-  layers = model.cpu_offloading_num_layers if model.cpu_offloading else 0
-  return (layers if model.cpu_offloading_activations else 0,
-          layers if model.cpu_offloading_weights else 0)
-
-
-def _without_offload(model: ModelConfig) -> ModelConfig:
-  """``model`` with no activation or weights offload, its offload keys at their defaults."""
-  default = ModelConfig()
-  return dataclasses.replace(model, **{key: getattr(default, key) for key in (
-      "cpu_offloading", "cpu_offloading_num_layers", "cpu_offloading_activations",
-      "cpu_offloading_weights", "cpu_offloading_double_buffering", "cpu_offloading_policy")})
 
 
 def _first(low: int, high: int, holds: Callable[[int], bool]) -> Optional[int]:
