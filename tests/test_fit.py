@@ -368,7 +368,7 @@ def _offload(layers, *, weights=False, policy="qkv", moved=False):
 
 
 def test_a_ladder_holds_no_less_where_it_offloads_no_more_at_no_smaller_micro_batch():
-  config = load_config(None, ["train.global_batch_size=8", "train.micro_batch_size=4"])
+  config = load_config(None, ["train.global_batch_size=16", "train.micro_batch_size=4"])
   ladder = lambda overrides, size=4, place=("host_kernel", "device"): Ladder(
       config, "", overrides + [f"train.micro_batch_size={size}"], place, MACHINE, None, 0)
   three = ladder(_offload(3))
@@ -377,6 +377,7 @@ def test_a_ladder_holds_no_less_where_it_offloads_no_more_at_no_smaller_micro_ba
   assert all(other.holds_no_less(three) for other in holds_more)
   may_hold_less = [
       ladder(_offload(1), 2),  # A smaller micro-batch.
+      ladder(_offload(1), 16),  # The whole batch at once: no gradient sums held.
       ladder(_offload(3, weights=True)),  # Its weights offloaded too.
       ladder(_offload(1, policy="all")),  # Another policy.
       ladder(_offload(1, moved=True), 1),  # Moved by the trainer.

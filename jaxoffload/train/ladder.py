@@ -186,8 +186,9 @@ class Ladder:
   def holds_no_less(self, other: "Ladder") -> bool:
     """Whether this ladder's most offload holds at least what ``other``'s holds on the
     device, known without compiling: the same update placement and config but for its
-    micro-batch, no smaller, and its activation offload, no larger (no more layers sending
-    their activations or weights to the host, by the same policy and mover)."""
+    micro-batch, no smaller (and summed over micro-batches where the other's is: a step of
+    one micro-batch holds no sums), and its activation offload, no larger (no more layers
+    sending their activations or weights to the host, by the same policy and mover)."""
     if self.place != other.place or self.judge(self.steps) is None:
       return False
     mine, theirs = (ladder.judge(ladder.steps)[0].config for ladder in (self, other))
@@ -197,8 +198,10 @@ class Ladder:
     acts, weights = zip(*(shallow.offloaded_layers(c.model) for c in (mine, theirs)))
     same_mover = mine.model.cpu_offloading_double_buffering == \
         theirs.model.cpu_offloading_double_buffering
+    accumulates = lambda config: config.train.micro_batch_size < config.train.global_batch_size
     return (neither(mine) == neither(theirs)
             and mine.train.micro_batch_size >= theirs.train.micro_batch_size
+            and accumulates(mine) == accumulates(theirs)
             and acts[0] <= acts[1] and weights[0] <= weights[1] and same_mover
             and (not acts[0] or mine.model.cpu_offloading_policy
                  == theirs.model.cpu_offloading_policy))
