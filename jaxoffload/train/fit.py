@@ -104,10 +104,10 @@ def search(ladders: list[Ladder], budgets: Budgets) -> tuple[Optional[Candidate]
   offload where it predicts none (``Ladder.predict``: a bound if the prediction errs by no
   more than that step); then the fit itself, compiled there (``Ladder.verify``; where the
   most offload, compiled whole, does not fit, neither does any ladder that holds no less:
-  ``Ladder.holds_no_less``). The search stops once the pick is
-  faster than every bound left; where the device's budget is unknown, nothing is
-  compiled. Meanwhile what the next ladders in line would compile first is compiled on
-  other threads (``compiling.Peaks``): the outcome is the same.
+  ``Ladder.holds_no_less``). The search stops once the pick is faster than every bound
+  left; where the device's budget is unknown, nothing is compiled. Meanwhile what the next
+  ladders in line would compile first is compiled on other threads (``compiling.Peaks``):
+  the outcome is the same.
   """
   rows = {n: ladder.least(budgets) for n, ladder in enumerate(ladders)}
   best, ruled_out = None, []  # Ladders whose most offload, compiled whole, did not fit.
