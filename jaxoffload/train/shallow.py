@@ -61,11 +61,11 @@ def _version(config: Config, overrides: Sequence[str], depth: int,
     small = override(config, list(overrides) + [
         f"model.num_layers={depth}", f"model.cpu_offloading_num_layers={offloaded}"]
         + ([] if offloaded else ["model.cpu_offloading=False"]))
+    if not offloaded:
+      small = dataclasses.replace(small, model=without_offload(small.model))
+    return resolve(small)
   except ConfigError:
     return None
-  if not offloaded:
-    small = dataclasses.replace(small, model=without_offload(small.model))
-  return resolve(small)
 
 
 def others(lines: list[Pair], model: ModelConfig, peaks: Peaks) -> int:
