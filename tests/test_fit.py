@@ -380,7 +380,7 @@ def test_a_ladder_holds_no_less_where_it_offloads_no_more_at_no_smaller_micro_ba
       ladder(_offload(1), 16),  # The whole batch at once: no gradient sums held.
       ladder(_offload(3, weights=True)),  # Its weights offloaded too.
       ladder(_offload(1, policy="all")),  # Another policy.
-      ladder(_offload(1, moved=True), 1),  # Moved by the trainer.
+      ladder(_offload(1, moved=True)),  # Moved by the trainer.
       ladder(saved[:1] + ["model.recompute_granularity=full"]),  # Recomputed.
       ladder(saved, place=("device", None))]  # Another placement.
   assert not any(other.holds_no_less(three) for other in may_hold_less)
@@ -402,7 +402,8 @@ def test_what_holds_no_less_than_a_setting_that_does_not_fit_is_never_compiled(m
       "save": 0.004, "offload qkv": 0.001})
   ladders = [Ladder(config, name, overrides, ("device", None), MACHINE, calibration, 0)
              for name, overrides in [("three", _offload(3)), ("one", _offload(1)),
-                                     ("none", _offload(3)[:1] + _offload(3)[-1:])]]
+                                     ("none", ["model.cpu_offloading=False",
+                                               "model.recompute_granularity=null"])]]
   best, rows = fit.search(ladders, Budgets(device=10**12, host=10**15))
   assert best is None and compiled == [3]
   assert {r.activations: r.verdict for r in rows} == {

@@ -135,11 +135,10 @@ def search(ladders: list[Ladder], budgets: Budgets) -> tuple[Optional[Candidate]
         if rows[n].verdict == "no: device":
           ruled_out.append(n)
         best = rows[n] if faster(rows[n]) else best
-      elif held_more(n) is not None:
-        fails = rows[held_more(n)]
+      elif (fails := held_more(n)) is not None:
         rows[n] = dataclasses.replace(row, verdict=(
-            f"not compiled: holds no less than {fails.activations} at micro-batch "
-            f"{fails.micro_batch_size}, which does not fit the device"))
+            f"not compiled: holds no less than {rows[fails].activations} at micro-batch "
+            f"{rows[fails].micro_batch_size}, which does not fit the device"))
       else:
         rows[n] = ladder.predict(budgets, peaks)
         if not rows[n].verdict:  # Predicted where the device's budget is known.
