@@ -72,6 +72,8 @@ def test_llama_1b_is_tinyllamas_shape():
      r"optimizer.use_distributed_optimizer=True with mesh.data=2: shard the optimizer state "
      r"with mesh.fsdp=2 instead"),
     (["logging.log_interval=-1"], r"logging.log_interval must be at least 0, got -1"),
+    (["train.compilation_cache_dir=''"],
+     r"^train.compilation_cache_dir must name a directory or be null, got ''$"),
     (["optimizer.overlap_cpu_optimizer_d2h_h2d=True", "optimizer.optimizer_offload_update_on=host"],
      "optimizer.overlap_cpu_optimizer_d2h_h2d=True overlaps the update with the device's work: "
      "it needs optimizer.optimizer_offload_update_on=device, host_kernel or auto, got 'host'"),

@@ -77,6 +77,7 @@ def measure(config_path: Optional[str], overrides: list[str]) -> dict:
   """One setting's figures, from a trainer run in this process."""
   config = load_config(config_path, overrides)
   launch.size_pinned_pool(config)  # As the trainer's command does, before JAX starts.
+  launch.keep_compiled(config)
   result = run(config, log=lambda line: print(line, file=sys.stderr))
   times = [r.step_s for r in result.records]
   last = result.records[-1]

@@ -7,7 +7,7 @@ import sys
 from typing import Optional
 
 from jaxoffload import plan as planner
-from jaxoffload.train import host_memory, load_config
+from jaxoffload.train import host_memory, launch, load_config
 from jaxoffload.train.config import ConfigError
 
 
@@ -25,6 +25,7 @@ def main(argv: Optional[list[str]] = None) -> None:
   args = parser.parse_args(argv)
   try:
     config = load_config(args.config, args.overrides)
+    launch.keep_compiled(config)
     budgets = planner.budgets_of(config, args.device_memory)
     print("device budget "
           + ("unknown (on a CPU, XLA counts every buffer as device memory: no step is "

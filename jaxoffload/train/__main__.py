@@ -45,6 +45,7 @@ def main(argv: Optional[list[str]] = None) -> None:
   try:
     config = load_config(args.config, args.overrides)
     launch.set_xla_flags(config)
+    launch.keep_compiled(config)
     launch.size_pinned_pool(config)
     launch.start_processes(config)
     train(config)

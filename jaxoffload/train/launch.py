@@ -1,5 +1,5 @@
-"""What must happen before JAX starts its backends: XLA flags, the pinned pool's size, and
-joining other processes."""
+"""What must happen before JAX starts its backends (XLA flags, the pinned pool's size,
+joining other processes) or compiles (where compiled programs are kept)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,28 @@ def set_xla_flags(config: Config) -> None:
   """Adds the XLA flags the config asks for; they act only if JAX has not started its backends."""
   if config.model.cuda_graph_impl != "none":
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {COMMAND_BUFFER_FLAG}".strip()
+
+
+# The most bytes of compiled programs kept between runs; the least recently used go first.
+COMPILATION_CACHE_BYTES = 16 * 2**30
+
+
+def keep_compiled(config: Config) -> Optional[str]:
+  """Turns on JAX's persistent compilation cache in ``train.compilation_cache_dir``, so that a
+  later run or plan of the same shapes loads its programs instead of compiling them (the
+  planner's verified pick among them); leaves a directory JAX was given already
+  (``JAX_COMPILATION_CACHE_DIR``) to it. Call before the first compile.
+
+  Returns:
+    The directory set, or None.
+  """
+  directory = config.train.compilation_cache_dir
+  if directory is None or jax.config.jax_compilation_cache_dir:
+    return None
+  directory = os.path.expanduser(directory)
+  jax.config.update("jax_compilation_cache_dir", directory)
+  jax.config.update("jax_compilation_cache_max_size", COMPILATION_CACHE_BYTES)
+  return directory
 
 
 def size_pinned_pool(config: Config) -> Optional[int]:

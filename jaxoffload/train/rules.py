@@ -142,6 +142,8 @@ def _check_sizes(config: Config) -> None:
     except ValueError as error:
       raise ConfigError(f"train.host_memory_limit: {error}") from None
     _at_least("train.host_memory_limit", limit, 1)
+  if t.compilation_cache_dir == "":
+    raise ConfigError("train.compilation_cache_dir must name a directory or be null, got ''")
   if t.global_batch_size % t.micro_batch_size:
     raise ConfigError(f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
                       f"train.micro_batch_size ({t.micro_batch_size})")
