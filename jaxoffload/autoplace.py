@@ -25,7 +25,7 @@ import dataclasses
 import functools
 import importlib.util
 import time
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import ml_dtypes
@@ -95,8 +95,10 @@ class Choice:
             f"a step (" + (others or "no other candidate") + f"; {self.machine})")
 
 
-def _best_seconds(fn) -> float:
-  fn()  # Compiles, allocates.
+def best_seconds(fn: Callable[[], object]) -> float:
+  """The fastest of ``_REPEATS`` calls of ``fn``, after one that compiles and allocates: the
+  least disturbed by whatever else the machine runs."""
+  fn()
   times = []
   for _ in range(_REPEATS):
     start = time.perf_counter()
@@ -129,8 +131,8 @@ def _measure(device: jax.Device, formats: KernelFormats) -> Machine:
 
   down()
   up = lambda: jax.block_until_ready(jax.device_put(held["device"], on(PINNED_HOST)))
-  host_to_device = probe_bytes / _best_seconds(down)
-  device_to_host = probe_bytes / _best_seconds(up)
+  host_to_device = probe_bytes / best_seconds(down)
+  device_to_host = probe_bytes / best_seconds(up)
   if importlib.util.find_spec("numba") is None:
     return Machine(host_to_device, device_to_host, None, None)
   from jaxoffload import host_adam
@@ -138,11 +140,11 @@ def _measure(device: jax.Device, formats: KernelFormats) -> Machine:
   *arrays, remainder = _kernel_arrays((probe_elements // _PROBE_ROW, _PROBE_ROW), formats)
   update = lambda: host_adam.adamw_update(*arrays, learning_rate=0.0, count=1,
                                           remainder=remainder)
-  rate = probe_elements / _best_seconds(update)
+  rate = probe_elements / best_seconds(update)
   total = np.full(arrays[1].shape, 0.5, np.float32)
   add = lambda: host_adam.accumulate(total, arrays[1], square_sum=True)
   return Machine(host_to_device, device_to_host, rate, host_adam.max_threads(),
-                 probe_elements / _best_seconds(add), formats)
+                 probe_elements / best_seconds(add), formats)
 
 
 def _kernel_arrays(shape: tuple[int, int], formats: KernelFormats) -> tuple:

@@ -14,14 +14,13 @@ initialising them would compile a program per timing.
 
 from __future__ import annotations
 
-import statistics
-import time
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxoffload.autoplace import best_seconds
 from jaxoffload.sharding import batch_sharding
 from jaxoffload.train.config import Config
 from jaxoffload.train.grads import loss_and_grads
@@ -29,7 +28,6 @@ from jaxoffload.train.loading import override
 from jaxoffload.train.resolve import Setup, resolve
 from jaxoffload.train.step_time import REST_MODES, Calibration, timed_modes
 
-_REPEATS = 3
 _COPY_BYTES = 256 * 2**20
 # A typical initial weight's size: the timed parameters' every element.
 _FILL = 0.02
@@ -85,7 +83,7 @@ _OFFLOADED_LAYER = ["model.num_layers=2", "model.cpu_offloading_num_layers=1",
 
 
 def _fwd_bwd_s(config: Config, overrides: list[str]) -> float:
-  """The median seconds of a jitted forward and backward pass of ``config`` changed by
+  """The best seconds of a jitted forward and backward pass of ``config`` changed by
   ``overrides``, on one micro-batch of synthetic tokens, its weights in device memory
   (the optimizer's offload is priced apart; the host kernel's weights would be in host
   memory, which the plain model does not read)."""
@@ -97,7 +95,7 @@ def _fwd_bwd_s(config: Config, overrides: list[str]) -> float:
   setup = resolve(small)
   params, tokens = _inputs(setup)
   step = jax.jit(lambda p, x: loss_and_grads(setup.llama, p, x))
-  return _median_s(lambda: jax.block_until_ready(step(params, tokens)))
+  return best_seconds(lambda: jax.block_until_ready(step(params, tokens)))
 
 
 def _inputs(setup: Setup) -> tuple[Any, jax.Array]:
@@ -118,14 +116,6 @@ def _device_bandwidth() -> float:
   """Bytes per second the first device reads and writes in a large copy."""
   x = jnp.ones(_COPY_BYTES // 4, jnp.float32, device=jax.devices()[0])
   copy = jax.jit(lambda x: x + 1)
-  return 2 * _COPY_BYTES / _median_s(lambda: jax.block_until_ready(copy(x)))
+  return 2 * _COPY_BYTES / best_seconds(lambda: jax.block_until_ready(copy(x)))
 
 
-def _median_s(fn: Callable[[], object]) -> float:
-  fn()  # Compiles.
-  times = []
-  for _ in range(_REPEATS):
-    start = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
