@@ -37,8 +37,10 @@ COMPILATION_CACHE_BYTES = 16 * 2**30
 def keep_compiled(config: Config) -> Optional[str]:
   """Turns on JAX's persistent compilation cache in ``train.compilation_cache_dir``, so that a
   later run or plan of the same shapes loads its programs instead of compiling them (the
-  planner's verified pick among them); leaves a directory JAX was given already
-  (``JAX_COMPILATION_CACHE_DIR``) to it. Call before the first compile.
+  planner's verified pick among them); leaves a cache JAX was given already
+  (``JAX_COMPILATION_CACHE_DIR``) as it was set. Every program is kept, however quickly it
+  compiled: a step run a program per layer is many such programs, which together take
+  most of its compile. Call before the first compile.
 
   Returns:
     The directory set, or None.
@@ -49,6 +51,7 @@ def keep_compiled(config: Config) -> Optional[str]:
   directory = os.path.expanduser(directory)
   jax.config.update("jax_compilation_cache_dir", directory)
   jax.config.update("jax_compilation_cache_max_size", COMPILATION_CACHE_BYTES)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   return directory
 
 
