@@ -5,13 +5,14 @@ import ast
 import dataclasses
 import os
 import pathlib
+import re
 
 import jax
 import pytest
 
 import jaxoffload.train
 from jaxoffload import autoplace, plan
-from jaxoffload.memory import offloaded_activation_bytes
+from jaxoffload.memory import host_rss_bytes, offloaded_activation_bytes
 from jaxoffload.plan import search, timing, xla_logs
 from jaxoffload.plan.__main__ import main as plan_main
 from jaxoffload.train import host_memory, load_config, resolve, step_time
@@ -295,6 +296,22 @@ def test_the_planner_prints_a_command_that_trains(monkeypatch, capsys):
   assert command[:3] == ["python", "-m", "jaxoffload.train"]
   train_main(command[3:])
   assert "2 steps: loss" in capsys.readouterr().out
+
+
+def test_a_calibration_the_hosts_memory_cannot_hold_is_refused_before_it_runs(monkeypatch,
+                                                                             capsys):
+  # On a CPU the kernel would kill the process: here it would have 1 MB beside the runtime.
+  monkeypatch.setattr(autoplace, "measure_machine", lambda **_: MACHINE)
+  limit = (host_rss_bytes() or 0) + host_memory.RUNTIME_BYTES + 2**20
+  with pytest.raises(SystemExit) as stop:
+    plan_main([f"train.host_memory_limit={limit}"])
+  assert stop.value.code == 2
+  assert re.fullmatch(
+      r"error: the planner's calibration, a 1-layer model at micro-batch 8, needs \d+ MB on "
+      r"this CPU beside the JAX runtime's 4.3 GB, more than the [\d.]+ [MG]B left under "
+      r"train.host_memory_limit=[\d.]+ GB with the [\d.]+ [MG]B this process holds: plan on "
+      r"the accelerator the run trains on, or with --offload-only \(no calibration\)\n",
+      capsys.readouterr().err)
 
 
 def test_the_planner_explains_its_figures_under_its_header(monkeypatch, capsys):

@@ -21,12 +21,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxoffload.autoplace import best_seconds
+from jaxoffload.memory import available, parse_bytes, size
 from jaxoffload.sharding import batch_sharding
-from jaxoffload.train.config import Config
+from jaxoffload.train.config import Config, ConfigError
+from jaxoffload.train import host_memory
 from jaxoffload.train.grads import loss_and_grads
 from jaxoffload.train.loading import override
 from jaxoffload.train.resolve import Setup, resolve
 from jaxoffload.train.step_time import REST_MODES, Calibration, timed_modes
+from jaxoffload.train.weights import targets
 
 _COPY_BYTES = 256 * 2**20
 # A typical initial weight's size: the timed parameters' every element.
@@ -93,9 +96,39 @@ def _fwd_bwd_s(config: Config, overrides: list[str]) -> float:
       "optimizer.optimizer_cpu_offload=False", "optimizer.optimizer_offload_fraction=0.0"])
   small = override(small, [f"train.global_batch_size={small.train.micro_batch_size}"])
   setup = resolve(small)
+  tokens = jax.ShapeDtypeStruct((small.train.micro_batch_size, small.model.seq_length),
+                                np.int32, sharding=batch_sharding(setup.mesh))
+  step = jax.jit(lambda p, x: loss_and_grads(setup.llama, p, x)).lower(
+      targets(setup.param_shapes, setup.param_shardings), tokens).compile()
+  _refuse_beyond_host(step, setup)
   params, tokens = _inputs(setup)
-  step = jax.jit(lambda p, x: loss_and_grads(setup.llama, p, x))
   return best_seconds(lambda: jax.block_until_ready(step(params, tokens)))
+
+
+def _refuse_beyond_host(compiled: jax.stages.Compiled, setup: Setup) -> None:
+  """Refuses, on a CPU, a timed program that needs more memory than the host has free beside
+  the JAX runtime's own (``host_memory.RUNTIME_BYTES``): there the devices' memory is the
+  host's, and the kernel would kill the process.
+
+  Raises:
+    ConfigError: naming the program's size, the host's free memory and what to do instead.
+  """
+  devices = setup.mesh.devices.flat
+  if devices[0].platform != "cpu":
+    return
+  analysis = compiled.memory_analysis()
+  need = len(devices) * (analysis.argument_size_in_bytes + analysis.output_size_in_bytes
+                         + analysis.temp_size_in_bytes - analysis.alias_size_in_bytes)
+  free, where = available(None if setup.config.train.host_memory_limit is None
+                          else parse_bytes(setup.config.train.host_memory_limit))
+  if need + host_memory.RUNTIME_BYTES > free:
+    c = setup.config
+    raise ConfigError(
+        f"the planner's calibration, a {c.model.num_layers}-layer model at micro-batch "
+        f"{c.train.micro_batch_size}, needs {size(need)} on this CPU beside the JAX "
+        f"runtime's {size(host_memory.RUNTIME_BYTES)}, more than the {size(max(free, 0))} "
+        f"{where}: plan on the accelerator the run trains on, or with "
+        f"--offload-only (no calibration)")
 
 
 def _inputs(setup: Setup) -> tuple[Any, jax.Array]:
