@@ -23,8 +23,8 @@ import numpy as np
 from jaxoffload.autoplace import best_seconds
 from jaxoffload.memory import available, parse_bytes, size
 from jaxoffload.sharding import batch_sharding
-from jaxoffload.train.config import Config, ConfigError
 from jaxoffload.train import host_memory
+from jaxoffload.train.config import Config, ConfigError
 from jaxoffload.train.grads import loss_and_grads
 from jaxoffload.train.loading import override
 from jaxoffload.train.resolve import Setup, resolve
@@ -48,6 +48,9 @@ def calibrate(configs: list[Config], *, log: Callable[[str], None] = print) -> C
   Returns:
     The ``Calibration``: the saved layers' time from two depths, every other setting's
     from one depth less the fixed part (and, offloaded, the saved layer after it).
+
+  Raises:
+    ConfigError: on a CPU, where a timed model would not fit the host's free memory.
   """
   base = configs[0]
   save_one, save_two = (_fwd_bwd_s(base, _rest_layers("save", n)) for n in (1, 2))
@@ -96,10 +99,10 @@ def _fwd_bwd_s(config: Config, overrides: list[str]) -> float:
       "optimizer.optimizer_cpu_offload=False", "optimizer.optimizer_offload_fraction=0.0"])
   small = override(small, [f"train.global_batch_size={small.train.micro_batch_size}"])
   setup = resolve(small)
-  tokens = jax.ShapeDtypeStruct((small.train.micro_batch_size, small.model.seq_length),
-                                np.int32, sharding=batch_sharding(setup.mesh))
+  token_shape = jax.ShapeDtypeStruct((small.train.micro_batch_size, small.model.seq_length),
+                                     np.int32, sharding=batch_sharding(setup.mesh))
   step = jax.jit(lambda p, x: loss_and_grads(setup.llama, p, x)).lower(
-      targets(setup.param_shapes, setup.param_shardings), tokens).compile()
+      targets(setup.param_shapes, setup.param_shardings), token_shape).compile()
   _refuse_beyond_host(step, setup)
   params, tokens = _inputs(setup)
   return best_seconds(lambda: jax.block_until_ready(step(params, tokens)))
@@ -150,5 +153,3 @@ def _device_bandwidth() -> float:
   x = jnp.ones(_COPY_BYTES // 4, jnp.float32, device=jax.devices()[0])
   copy = jax.jit(lambda x: x + 1)
   return 2 * _COPY_BYTES / best_seconds(lambda: jax.block_until_ready(copy(x)))
-
-
