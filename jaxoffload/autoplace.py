@@ -38,7 +38,7 @@ _PROBE_ELEMENTS = 32 * 2**20
 _PROBE_ROW = 4096  # Elements of a row: 8-bit moments keep a scale per block of one.
 # On the cpu backend the device's memory is the host's, and what is planned there is small:
 # probes this many times smaller, still far past the caches, measure the same rates sooner.
-_CPU_PROBE_DIVISOR = 8
+CPU_PROBE_DIVISOR = 8
 _REPEATS = 3
 # Predictions this close are a tie: within the predictions' own error.
 TIE = 0.1
@@ -119,7 +119,7 @@ def measure_machine(device: jax.Device | None = None,
 
 @functools.cache
 def _measure(device: jax.Device, formats: KernelFormats) -> Machine:
-  divisor = _CPU_PROBE_DIVISOR if device.platform == "cpu" else 1
+  divisor = CPU_PROBE_DIVISOR if device.platform == "cpu" else 1
   probe_bytes, probe_elements = _PROBE_BYTES // divisor, _PROBE_ELEMENTS // divisor
   on = lambda kind: jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
   host = jax.block_until_ready(

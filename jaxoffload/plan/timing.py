@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxoffload.autoplace import best_seconds
+from jaxoffload.autoplace import CPU_PROBE_DIVISOR, best_seconds
 from jaxoffload.memory import available, parse_bytes, size
 from jaxoffload.sharding import batch_sharding
 from jaxoffload.train import host_memory
@@ -149,7 +149,10 @@ def _inputs(setup: Setup) -> tuple[Any, jax.Array]:
 
 
 def _device_bandwidth() -> float:
-  """Bytes per second the first device reads and writes in a large copy."""
-  x = jnp.ones(_COPY_BYTES // 4, jnp.float32, device=jax.devices()[0])
+  """Bytes per second the first device reads and writes in a large copy (smaller on a CPU,
+  as ``autoplace``'s probes are)."""
+  device = jax.devices()[0]
+  copy_bytes = _COPY_BYTES // (CPU_PROBE_DIVISOR if device.platform == "cpu" else 1)
+  x = jnp.ones(copy_bytes // 4, jnp.float32, device=device)
   copy = jax.jit(lambda x: x + 1)
-  return 2 * _COPY_BYTES / best_seconds(lambda: jax.block_until_ready(copy(x)))
+  return 2 * copy_bytes / best_seconds(lambda: jax.block_until_ready(copy(x)))
