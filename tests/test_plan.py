@@ -143,7 +143,8 @@ def test_the_calibration_times_each_setting_but_saving_at_one_depth(monkeypatch)
     return share * (0.010 + sum(n * layer_s[mode]
                                 for mode, n in step_time.layer_modes(small).items()))
 
-  monkeypatch.setattr(timing, "_fwd_bwd_s", fwd_bwd_s)
+  monkeypatch.setattr(timing, "_fwd_bwd_seconds",
+                      lambda programs: [fwd_bwd_s(*program) for program in programs])
   monkeypatch.setattr(timing, "_device_bandwidth", lambda: 1e12)
   config = load_config(None, [])
   settings = plan.activation_settings(config, backend="gpu")
@@ -166,17 +167,23 @@ def test_the_calibration_times_the_model_with_its_weights_on_the_device(monkeypa
       "optimizer.offload_transfer_dtype=bfloat16"])
   assert {s.memory_kind for s in jax.tree.leaves(resolve(config).param_shardings)} == {
       "pinned_host"}
-  kinds = set()
+  read = []
   inputs = timing._inputs
 
-  def recorded(setup):
-    params, tokens = inputs(setup)
-    kinds.update(x.sharding.memory_kind for x in jax.tree.leaves(params))
-    return params, tokens
+  def recorded(setup, filled):
+    (params, tokens), read_now = inputs(setup, filled)
+    read.append(jax.tree.leaves(params))
+    return (params, tokens), read_now
 
   monkeypatch.setattr(timing, "_inputs", recorded)
-  assert timing._fwd_bwd_s(config, timing._rest_layers("save", 1)) > 0
-  assert kinds == {"device"}
+  seconds = timing._fwd_bwd_seconds([(config, timing._rest_layers("save", n)) for n in (1, 2)])
+  assert len(seconds) == 2 and min(seconds) > 0
+  assert {x.sharding.memory_kind for leaves in read for x in leaves} == {"device"}
+  # Where their shapes agree (the embedding, the last norm and the head, not the stacked
+  # layers), the two-layer model reads the one-layer model's arrays: none is filled twice.
+  one, two = read
+  assert [a is b for a, b in zip(one, two)] == [a.shape == b.shape for a, b in zip(one, two)]
+  assert any(a is b for a, b in zip(one, two)) and not all(a is b for a, b in zip(one, two))
 
 
 def test_on_a_cpu_and_where_the_rules_refuse_them_no_offload_setting_is_offered():

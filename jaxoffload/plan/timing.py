@@ -14,6 +14,7 @@ initialising them would compile a program per timing.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import jax
@@ -24,6 +25,7 @@ from jaxoffload.autoplace import CPU_PROBE_DIVISOR, best_seconds
 from jaxoffload.memory import available, parse_bytes, size
 from jaxoffload.sharding import batch_sharding
 from jaxoffload.train import host_memory
+from jaxoffload.train.compiling import workers
 from jaxoffload.train.config import Config, ConfigError
 from jaxoffload.train.grads import loss_and_grads
 from jaxoffload.train.loading import override
@@ -53,20 +55,26 @@ def calibrate(configs: list[Config], *, log: Callable[[str], None] = print) -> C
     ConfigError: on a CPU, where a timed model would not fit the host's free memory.
   """
   base = configs[0]
-  save_one, save_two = (_fwd_bwd_s(base, _rest_layers("save", n)) for n in (1, 2))
-  layer_s = {"save": max(save_two - save_one, 0.0)}
-  fixed_s = max(save_one - layer_s["save"], 0.0)
+  size = base.train.micro_batch_size
+  programs = {"save 1": (base, _rest_layers("save", 1)), "save 2": (base, _rest_layers("save", 2))}
   for config in configs:
     for mode in timed_modes(config):
-      if mode not in layer_s:
+      if mode != "save" and mode not in programs:
         rest = mode in REST_MODES.values()
-        one = _fwd_bwd_s(config, _rest_layers(mode, 1) if rest else _OFFLOADED_LAYER)
-        layer_s[mode] = max(one - fixed_s - (0.0 if rest else layer_s["save"]), 0.0)
-  size = base.train.micro_batch_size
-  overhead = 0.0
+        programs[mode] = (config, _rest_layers(mode, 1) if rest else _OFFLOADED_LAYER)
   if size > 1:  # Time = a + b x size, from the two-layer model at half the size.
-    half = _fwd_bwd_s(base, _rest_layers("save", 2) + [f"train.micro_batch_size={size // 2}"])
-    overhead = min(max((2 * half - save_two) / save_two, 0.0), 1.0) if save_two > 0 else 0.0
+    programs["half"] = (base, _rest_layers("save", 2) + [f"train.micro_batch_size={size // 2}"])
+  seconds = dict(zip(programs, _fwd_bwd_seconds(list(programs.values()))))
+  save_one, save_two = seconds.pop("save 1"), seconds.pop("save 2")
+  layer_s = {"save": max(save_two - save_one, 0.0)}
+  fixed_s = max(save_one - layer_s["save"], 0.0)
+  half = seconds.pop("half", None)
+  for mode, one in seconds.items():
+    offloaded = mode not in REST_MODES.values()
+    layer_s[mode] = max(one - fixed_s - (layer_s["save"] if offloaded else 0.0), 0.0)
+  overhead = 0.0
+  if half is not None and save_two > 0:
+    overhead = min(max((2 * half - save_two) / save_two, 0.0), 1.0)
   log(f"calibrated a micro-batch of {size}: "
       + ", ".join(f"{mode} {s * 1e3:,.1f} ms a layer" for mode, s in layer_s.items())
       + f", {fixed_s * 1e3:,.1f} ms outside the layers; {overhead:.0%} of it does not shrink "
@@ -88,24 +96,47 @@ _OFFLOADED_LAYER = ["model.num_layers=2", "model.cpu_offloading_num_layers=1",
                     "model.recompute_granularity=null"]
 
 
-def _fwd_bwd_s(config: Config, overrides: list[str]) -> float:
-  """The best seconds of a jitted forward and backward pass of ``config`` changed by
-  ``overrides``, on one micro-batch of synthetic tokens, its weights in device memory
-  (the optimizer's offload is priced apart; the host kernel's weights would be in host
-  memory, which the plain model does not read)."""
+def _fwd_bwd_seconds(programs: list[tuple[Config, list[str]]]) -> list[float]:
+  """The best seconds of a jitted forward and backward pass of each config changed by its
+  overrides, on one micro-batch of synthetic tokens, its weights in device memory (the
+  optimizer's offload is priced apart; the host kernel's weights would be in host memory,
+  which the plain model does not read).
+
+  The first program compiles alone, autotuning the kernels the others share (XLA keeps what
+  it picked for the process); the others then compile ``compiling.workers()`` at a time. Each
+  is timed alone, the shallower first, each reading the arrays of the parameters its
+  predecessor read alike.
+  """
+  setups = [_small_setup(config, overrides) for config, overrides in programs]
+  first = _compiled(setups[0])
+  with ThreadPoolExecutor(workers()) as pool:
+    steps = [first] + list(pool.map(_compiled, setups[1:]))
+  seconds, filled = {}, {}
+  for n in sorted(range(len(setups)), key=lambda n: setups[n].config.model.num_layers):
+    step, setup = steps[n], setups[n]
+    _refuse_beyond_host(step, setup)
+    (params, tokens), filled = _inputs(setup, filled)
+    seconds[n] = best_seconds(lambda: jax.block_until_ready(step(params, tokens)))
+  return [seconds[n] for n in range(len(setups))]
+
+
+def _small_setup(config: Config, overrides: list[str]) -> Setup:
+  """What ``config`` changed by ``overrides`` runs: on synthetic tokens, without optimizer
+  offload, one micro-batch a step."""
   small = override(config, overrides + [
       "data.dataset=synthetic", "data.path=null", "data.tokenizer=null", "data.eos_token=null",
       "model.hf_checkpoint=null", "checkpoint.init_from=null",
       "optimizer.optimizer_cpu_offload=False", "optimizer.optimizer_offload_fraction=0.0"])
-  small = override(small, [f"train.global_batch_size={small.train.micro_batch_size}"])
-  setup = resolve(small)
-  token_shape = jax.ShapeDtypeStruct((small.train.micro_batch_size, small.model.seq_length),
-                                     np.int32, sharding=batch_sharding(setup.mesh))
-  step = jax.jit(lambda p, x: loss_and_grads(setup.llama, p, x)).lower(
+  return resolve(override(small, [f"train.global_batch_size={small.train.micro_batch_size}"]))
+
+
+def _compiled(setup: Setup) -> jax.stages.Compiled:
+  """``setup``'s forward and backward pass, compiled from shapes alone."""
+  c = setup.config
+  token_shape = jax.ShapeDtypeStruct((c.train.micro_batch_size, c.model.seq_length), np.int32,
+                                     sharding=batch_sharding(setup.mesh))
+  return jax.jit(lambda p, x: loss_and_grads(setup.llama, p, x)).lower(
       targets(setup.param_shapes, setup.param_shardings), token_shape).compile()
-  _refuse_beyond_host(step, setup)
-  params, tokens = _inputs(setup)
-  return best_seconds(lambda: jax.block_until_ready(step(params, tokens)))
 
 
 def _refuse_beyond_host(compiled: jax.stages.Compiled, setup: Setup) -> None:
@@ -134,18 +165,29 @@ def _refuse_beyond_host(compiled: jax.stages.Compiled, setup: Setup) -> None:
         f"--offload-only (no calibration)")
 
 
-def _inputs(setup: Setup) -> tuple[Any, jax.Array]:
+def _inputs(setup: Setup, filled: dict) -> tuple[tuple[Any, jax.Array], dict]:
   """``setup``'s parameters, every element ``_FILL``, and a micro-batch of tokens counting up,
-  placed as its run places them. Built on the host: their values do not change the time,
-  and initialising or drawing them would compile programs of their own."""
-  placed = lambda values, sharding: jax.make_array_from_callback(
-      values.shape, sharding, lambda index: values[index])
-  params = jax.tree.map(
-      lambda x, s: placed(np.broadcast_to(np.asarray(_FILL, x.dtype), x.shape), s),
-      setup.param_shapes, setup.param_shardings)
+  placed as its run places them; and its parameters by shape, dtype and sharding. Built on
+  the host: their values do not change the time, and initialising or drawing them would
+  compile programs of their own. A parameter found in ``filled`` (the last program's) is
+  read again, not filled anew."""
+  read = {}
+
+  def parameter(x: jax.ShapeDtypeStruct, sharding: jax.sharding.Sharding) -> jax.Array:
+    key = (x.shape, x.dtype, sharding)
+    if key not in read:
+      read[key] = filled[key] if key in filled else _placed(
+          np.broadcast_to(np.asarray(_FILL, x.dtype), x.shape), sharding)
+    return read[key]
+
+  params = jax.tree.map(parameter, setup.param_shapes, setup.param_shardings)
   m, size = setup.config.model, setup.config.train.micro_batch_size
   tokens = np.arange(size * m.seq_length, dtype=np.int32).reshape(size, -1) % m.vocab_size
-  return params, placed(tokens, batch_sharding(setup.mesh))
+  return (params, _placed(tokens, batch_sharding(setup.mesh))), read
+
+
+def _placed(values: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+  return jax.make_array_from_callback(values.shape, sharding, lambda index: values[index])
 
 
 def _device_bandwidth() -> float:
