@@ -88,7 +88,7 @@ class HostAdamW(HeldSteps):
     device_dtypes = ([p.dtype for p in params] if device_dtypes is None
                      else [jnp.dtype(d) for d in device_dtypes])
     check_leaves(params, device_dtypes, mu_dtype, nu_dtype)
-    self._schedule = learning_rate if callable(learning_rate) else (lambda _: learning_rate)
+    self._schedule = jax.jit(learning_rate if callable(learning_rate) else (lambda _: learning_rate))
     self._rates_start, self._rates = 0, self._schedule_table(0)
     self._hyper = dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
     self.state = HostState(params, device_dtypes, mu_dtype, nu_dtype)
@@ -254,11 +254,11 @@ class HostAdamW(HeldSteps):
 
   def _schedule_table(self, start: int) -> np.ndarray:
     """The learning rates of updates ``start + 1`` to ``start + _SCHEDULE_TABLE``."""
-    counts = jnp.arange(start, start + _SCHEDULE_TABLE)
-    # One scalar at a time, as optax evaluates it inside the step: vectorised,
-    # XLA:CPU rounded some rates one bit apart.
-    rates = jax.jit(lambda counts: jax.lax.map(self._schedule, counts))(counts)
-    return np.asarray(rates, np.float64)
+    # One scalar program, as optax evaluates the schedule inside the step: vectorised, or
+    # mapped over the counts in one program, XLA:CPU rounded some rates one bit apart.
+    rates = [self._schedule(np.int32(count))
+             for count in range(start, start + _SCHEDULE_TABLE)]
+    return np.asarray(jax.device_get(rates), np.float64)
 
   def _learning_rate(self, count: int) -> float:
     """The rate of update ``count + 1`` (optax's schedules count from 0)."""

@@ -333,11 +333,12 @@ def test_a_loaded_checkpoint_continues_exactly(device_dtypes, moment_dtype, weig
 
 
 def test_the_schedule_is_evaluated_once_per_table_not_at_each_update():
-  # An evaluation per update would queue behind the device step in flight.
-  traced = []
+  # An evaluation per update would queue behind the device step in flight: the rates of
+  # a table's updates are evaluated together, when it is filled.
+  evaluated = []
 
   def schedule(count):
-    traced.append(count)
+    jax.debug.callback(evaluated.append, count)
     return 1e-3 * (1 + count)
 
   weights, batches = problem()
@@ -345,9 +346,10 @@ def test_the_schedule_is_evaluated_once_per_table_not_at_each_update():
   for batch in batches:
     host.update(*device_step(host.params, batch))
   host.finish()
-  assert len(traced) == 1
+  table = list(range(1024))
+  assert [int(c) for c in evaluated] == table
   assert host._learning_rate(1500) == pytest.approx(1e-3 * 1501)
-  assert len(traced) == 2
+  assert [int(c) for c in evaluated] == table + list(range(1500, 1500 + 1024))
 
 
 def test_learning_rates_round_as_in_the_device_step():
