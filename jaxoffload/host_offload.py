@@ -88,7 +88,8 @@ class HostAdamW(HeldSteps):
     device_dtypes = ([p.dtype for p in params] if device_dtypes is None
                      else [jnp.dtype(d) for d in device_dtypes])
     check_leaves(params, device_dtypes, mu_dtype, nu_dtype)
-    self._schedule = jax.jit(learning_rate if callable(learning_rate) else (lambda _: learning_rate))
+    schedule = learning_rate if callable(learning_rate) else (lambda _: learning_rate)
+    self._schedule = jax.jit(schedule)
     self._rates_start, self._rates = 0, self._schedule_table(0)
     self._hyper = dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
     self.state = HostState(params, device_dtypes, mu_dtype, nu_dtype)
