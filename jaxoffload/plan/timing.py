@@ -111,10 +111,11 @@ def _fwd_bwd_seconds(programs: list[tuple[Config, list[str]]]) -> list[float]:
   first = _compiled(setups[0])
   with ThreadPoolExecutor(workers()) as pool:
     steps = [first] + list(pool.map(_compiled, setups[1:]))
+  for step, setup in zip(steps, setups):  # Before any runs.
+    _refuse_beyond_host(step, setup)
   seconds, filled = {}, {}
   for n in sorted(range(len(setups)), key=lambda n: setups[n].config.model.num_layers):
     step, setup = steps[n], setups[n]
-    _refuse_beyond_host(step, setup)
     (params, tokens), filled = _inputs(setup, filled)
     seconds[n] = best_seconds(lambda: jax.block_until_ready(step(params, tokens)))
   return [seconds[n] for n in range(len(setups))]
