@@ -106,12 +106,16 @@ def _fwd_bwd_seconds(programs: list[tuple[Config, list[str]]]) -> list[float]:
   it picked for the process); the others then compile ``compiling.workers()`` at a time. Each
   is timed alone, the shallower first, each reading the arrays of the parameters its
   predecessor read alike.
+
+  Raises:
+    ConfigError: on a CPU, before any program runs, where one would not fit the host's
+      free memory (``_refuse_beyond_host``).
   """
   setups = [_small_setup(config, overrides) for config, overrides in programs]
   first = _compiled(setups[0])
   with ThreadPoolExecutor(workers()) as pool:
     steps = [first] + list(pool.map(_compiled, setups[1:]))
-  for step, setup in zip(steps, setups):  # Before any runs.
+  for step, setup in zip(steps, setups):
     _refuse_beyond_host(step, setup)
   seconds, filled = {}, {}
   for n in sorted(range(len(setups)), key=lambda n: setups[n].config.model.num_layers):
