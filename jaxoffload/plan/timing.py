@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxoffload.autoplace import CPU_PROBE_DIVISOR, best_seconds
-from jaxoffload.memory import available, parse_bytes, size
+from jaxoffload.memory import available, parse_bytes
 from jaxoffload.sharding import batch_sharding
 from jaxoffload.train import host_memory
 from jaxoffload.train.compiling import workers
@@ -164,10 +164,10 @@ def _refuse_beyond_host(compiled: jax.stages.Compiled, setup: Setup) -> None:
     c = setup.config
     raise ConfigError(
         f"the planner's calibration, a {c.model.num_layers}-layer model at micro-batch "
-        f"{c.train.micro_batch_size}, needs {size(need)} on this CPU beside the JAX "
-        f"runtime's {size(host_memory.RUNTIME_BYTES)}, more than the {size(max(free, 0))} "
-        f"{where}: plan on the accelerator the run trains on, or with "
-        f"--offload-only (no calibration)")
+        f"{c.train.micro_batch_size}, needs {host_memory.size(need)} on this CPU beside the "
+        f"JAX runtime's {host_memory.size(host_memory.RUNTIME_BYTES)}, more than the "
+        f"{host_memory.size(max(free, 0))} {where}: plan on the accelerator the run trains on, "
+        f"or with --offload-only (no calibration)")
 
 
 def _inputs(setup: Setup, filled: dict) -> tuple[tuple[Any, jax.Array], dict]:
