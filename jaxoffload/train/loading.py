@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import os
 import typing
 from typing import Any, Optional, Sequence
@@ -142,17 +143,23 @@ def parse_override(text: str) -> tuple[str, Any]:
   return key.strip(), yaml.safe_load(raw) if raw.strip() else None
 
 
+@functools.cache
+def _types(cls: type) -> dict[str, Any]:
+  """``cls``'s fields' types, evaluated once: the planner applies overrides thousands of times."""
+  return typing.get_type_hints(cls)
+
+
 def _field(dotted: str) -> tuple[str, str, Any]:
   """The section, key and type a dotted key names, or a ConfigError with the nearest key
   (or why a removed key is gone)."""
   if dotted in REMOVED_KEYS:
     raise ConfigError(f"{dotted} was removed: {REMOVED_KEYS[dotted]}")
   section, _, key = dotted.partition(".")
-  sections = typing.get_type_hints(Config)
+  sections = _types(Config)
   if section not in sections or not key:
     raise ConfigError(f"unknown config key {dotted!r}" + _closest(
         section, [f"{name}." for name in sections]))
-  hints = typing.get_type_hints(sections[section])
+  hints = _types(sections[section])
   if key not in hints:
     raise ConfigError(f"unknown config key {dotted!r}" + _closest(
         dotted, [f"{section}.{name}" for name in hints]))
