@@ -149,6 +149,19 @@ def test_unreadable_or_short_text_is_named(tmp_path):
     resolve(load_config(None, ["data.dataset=text", f"data.path={short}"]))
 
 
+def test_a_setup_without_data_reads_none_and_compiles_for_the_batches_shape():
+  # The planner resolves hundreds of settings: none of them reads the corpus.
+  missing = load_config(None, ["data.dataset=text", "data.path=/nonexistent/corpus.txt"])
+  assert resolve(missing, with_data=False).data is None
+  config = load_config(None, ["data.dataset=text", "train.global_batch_size=4",
+                              "train.micro_batch_size=2"])
+  tokens = resolve(config).global_batch(0)
+  shape = resolve(config, with_data=False).batch_shape
+  assert (shape.shape, shape.dtype, shape.sharding) == (tokens.shape, tokens.dtype,
+                                                        tokens.sharding)
+  assert tokens.shape == (4, config.model.seq_length)
+
+
 def test_a_tokenizer_larger_than_the_model_is_refused():
   config = load_config(None, ["data.dataset=text", f"data.tokenizer={TOKENIZER}",
                               "model.vocab_size=128"])

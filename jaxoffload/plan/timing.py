@@ -126,22 +126,18 @@ def _fwd_bwd_seconds(programs: list[tuple[Config, list[str]]]) -> list[float]:
 
 
 def _small_setup(config: Config, overrides: list[str]) -> Setup:
-  """What ``config`` changed by ``overrides`` runs: on synthetic tokens, without optimizer
-  offload, one micro-batch a step."""
+  """What ``config`` changed by ``overrides`` runs: without optimizer offload, one micro-batch
+  a step, and no data (``_inputs`` makes its tokens)."""
   small = override(config, overrides + [
-      "data.dataset=synthetic", "data.path=null", "data.tokenizer=null", "data.eos_token=null",
-      "model.hf_checkpoint=null", "checkpoint.init_from=null",
       "optimizer.optimizer_cpu_offload=False", "optimizer.optimizer_offload_fraction=0.0"])
-  return resolve(override(small, [f"train.global_batch_size={small.train.micro_batch_size}"]))
+  return resolve(override(small, [f"train.global_batch_size={small.train.micro_batch_size}"]),
+                 with_data=False)
 
 
 def _compiled(setup: Setup) -> jax.stages.Compiled:
   """``setup``'s forward and backward pass, compiled from shapes alone."""
-  c = setup.config
-  token_shape = jax.ShapeDtypeStruct((c.train.micro_batch_size, c.model.seq_length), np.int32,
-                                     sharding=batch_sharding(setup.mesh))
   return jax.jit(lambda p, x: loss_and_grads(setup.llama, p, x)).lower(
-      targets(setup.param_shapes, setup.param_shardings), token_shape).compile()
+      targets(setup.param_shapes, setup.param_shardings), setup.batch_shape).compile()
 
 
 def _refuse_beyond_host(compiled: jax.stages.Compiled, setup: Setup) -> None:

@@ -37,10 +37,8 @@ ANALYSIS_ONLY = {"xla_gpu_autotune_level": 0}
 def step_peaks(setup: Setup) -> tuple[int, ...]:
   """XLA's device peak of each phase of ``setup``'s step (``CompiledStep.phase_bytes``; the
   step's, for one program), compiled from shapes alone, without autotuning."""
-  tokens = setup.global_batch(0)
-  compiled = Trainer.from_shapes(setup).compile(
-      jax.ShapeDtypeStruct(tokens.shape, tokens.dtype, sharding=tokens.sharding),
-      compiler_options=ANALYSIS_ONLY)
+  compiled = Trainer.from_shapes(setup).compile(setup.batch_shape,
+                                                compiler_options=ANALYSIS_ONLY)
   return compiled.phase_bytes or (compiled.device_bytes,)
 
 

@@ -105,7 +105,7 @@ class Ladder:
       fraction = step / self.steps
       overrides = self.base + offload_overrides(fraction, *self.place)
       try:
-        setup = resolve(override(self.config, overrides))
+        setup = resolve(override(self.config, overrides), with_data=False)
       except ConfigError as error:
         self._setups[step], self._refusal = None, str(error)
         return None

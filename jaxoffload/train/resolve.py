@@ -46,7 +46,7 @@ class Setup:
     schedule: the learning rate at each update.
     choices: what each ``auto`` chose and why, a line each.
     data: the training and held-out batches (numpy), and the tokenizer; None in an
-      ``abstract_setup``.
+      ``abstract_setup`` and where ``resolve`` was asked for none.
     micro_batches: how many micro-batches make a step (``rules.micro_batches``).
     clips_gradients: whether the update clips the gradients by their global norm
       (``optimizer.clip_grad`` > 0): the host kernel's overlapped update then needs the
@@ -163,6 +163,13 @@ class Setup:
     """The model, its layer groups and its mesh."""
     return Llama(self.model, self.groups, self.mesh)
 
+  @property
+  def batch_shape(self) -> jax.ShapeDtypeStruct:
+    """The shape, dtype and placement of ``global_batch``'s arrays: what a step compiles for."""
+    t = self.config.train
+    return jax.ShapeDtypeStruct((t.global_batch_size, self.model.seq_length), jnp.int32,
+                                sharding=sharding.batch_sharding(self.mesh))
+
   def global_batch(self, step: int) -> jax.Array:
     """Step ``step``'s tokens as one array over the mesh; each process places only its shards.
 
@@ -180,8 +187,14 @@ class Setup:
                                         lambda index: tokens[index])
 
 
-def resolve(config: Config) -> Setup:
+def resolve(config: Config, *, with_data: bool = True) -> Setup:
   """Everything a run of ``config`` needs (``config`` checked by ``load_config``).
+
+  Args:
+    config: the run's config.
+    with_data: read or make the run's batches; False for a setup that only compiles and
+      sizes its step (``Setup.batch_shape``), as the planner's many do: a text corpus is
+      then not read again for each.
 
   Raises:
     ConfigError: for what depends on this machine or the files named: a mesh
@@ -200,7 +213,8 @@ def resolve(config: Config) -> Setup:
       and importlib.util.find_spec("numba") is None):
     raise ConfigError("optimizer_offload_update_on=host_kernel needs numba: "
                       "pip install 'jaxoffload[host]'")
-  return _placed(config, offload, _mesh(config), data.make(config), tuple(choices))
+  return _placed(config, offload, _mesh(config), data.make(config) if with_data else None,
+                 tuple(choices))
 
 
 def abstract_setup(config: Config) -> Setup:

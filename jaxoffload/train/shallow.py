@@ -63,7 +63,7 @@ def _version(config: Config, overrides: Sequence[str], depth: int,
         + ([] if offloaded else ["model.cpu_offloading=False"]))
     if not offloaded:
       small = dataclasses.replace(small, model=without_offload(small.model))
-    return resolve(small)
+    return resolve(small, with_data=False)
   except ConfigError:
     return None
 
