@@ -15,8 +15,6 @@ import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional
 
-import jax
-
 from jaxoffload.train.config import Config
 from jaxoffload.train.resolve import Setup
 from jaxoffload.train.step import Trainer
