@@ -30,9 +30,10 @@ def free_port() -> int:
                     reason="two CPU processes of 4 devices against this process's 8")
 def test_two_processes_of_four_devices_train_like_one_of_eight(tmp_path):
   port = free_port()
-  # Faulthandler prints every thread's stack on SIGABRT: what a hung process waits on.
+  # Faulthandler prints every thread's stack on SIGABRT: what a hung process waits on;
+  # unbuffered, the lines it printed before survive the abort.
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-             PYTHONFAULTHANDLER="1")
+             PYTHONFAULTHANDLER="1", PYTHONUNBUFFERED="1")
   processes = [
       subprocess.Popen(
           # auto: each process measures its machine; process 0's choice holds for both.
@@ -49,8 +50,13 @@ def test_two_processes_of_four_devices_train_like_one_of_eight(tmp_path):
   except subprocess.TimeoutExpired:
     for p in processes:
       p.send_signal(signal.SIGABRT)
-    stacks = [p.communicate()[1][-8000:] for p in processes]
-    pytest.fail("the two processes did not end in 300 s; their stacks:\n" + "\n".join(stacks))
+    # Each process's own last lines (its placement, its last step; not gloo's) and its
+    # threads' stacks.
+    ended = [p.communicate() for p in processes]
+    own = lambda out: [line for line in out.splitlines() if not line.startswith("[Gloo]")][-4:]
+    pytest.fail("the two processes did not end in 300 s:\n" + "\n".join(
+        f"process {i}, its output ending {own(out)}; its stacks:\n{err[-8000:]}"
+        for i, (out, err) in enumerate(ended)))
   for p, (_, err) in zip(processes, outputs):
     assert p.returncode == 0, err[-3000:]
   # Only process 0 reports (gloo writes its own lines on both).
