@@ -88,8 +88,9 @@ def test_the_quick_benchmarks_run_on_a_cpu(tmp_path, monkeypatch, args, rows):
 def test_step_trace_reads_the_trainers_trace(tmp_path, monkeypatch):
   trace = tmp_path / "trace"
   # The profiler names the Python thread after the binary: ``python3`` on the GPU machine.
-  python3 = tmp_path / "python3"
-  python3.symlink_to(sys.executable)
+  # The one beside this interpreter, which a virtual environment has too (a link elsewhere
+  # would leave the environment's packages behind).
+  python3 = os.path.join(os.path.dirname(sys.executable), "python3")
   done = run("-m", "jaxoffload.train", "train.train_iters=4", "optimizer.optimizer_cpu_offload=True",
              "optimizer.optimizer_offload_fraction=0.5",
              "optimizer.optimizer_offload_update_on=host_kernel", f"logging.profile_dir={trace}",
