@@ -12,11 +12,11 @@ import jax
 import numpy as np
 import pytest
 
-from jaxoffload.train import ConfigError, load_config, train
+from jaxoffload.train import ConfigError, claims, load_config, train
 
 COMMON = ["train.train_iters=5", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2",
           "optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5",
-          "optimizer.optimizer_offload_update_on=device", "model.cpu_offloading=True", "model.cpu_offloading_num_layers=2"]
+          "model.cpu_offloading=True", "model.cpu_offloading_num_layers=2"]
 
 
 def free_port() -> int:
@@ -28,7 +28,11 @@ def free_port() -> int:
 @pytest.mark.slow
 @pytest.mark.skipif(jax.default_backend() != "cpu" or len(jax.devices()) < 8,
                     reason="two CPU processes of 4 devices against this process's 8")
-def test_two_processes_of_four_devices_train_like_one_of_eight(tmp_path):
+# Each placement named: auto's choice depends on the machine. The host kernel's step runs a
+# program per layer, its gradients copied to each process's pinned memory as they come.
+@pytest.mark.parametrize("update_on", ["device", "host_kernel"])
+def test_two_processes_of_four_devices_train_like_one_of_eight(tmp_path, update_on):
+  common = [*COMMON, f"optimizer.optimizer_offload_update_on={update_on}"]
   port = free_port()
   # Faulthandler prints every thread's stack on SIGABRT: what a hung process waits on;
   # unbuffered, the lines it printed before survive the abort.
@@ -37,8 +41,7 @@ def test_two_processes_of_four_devices_train_like_one_of_eight(tmp_path):
   processes = [
       subprocess.Popen(
           # auto: each process measures its machine; process 0's choice holds for both.
-          [sys.executable, "-m", "jaxoffload.train", *COMMON, "distributed.initialize=True",
-           "optimizer.optimizer_offload_update_on=auto",
+          [sys.executable, "-m", "jaxoffload.train", *common, "distributed.initialize=True",
            f"distributed.coordinator_address=localhost:{port}", "distributed.num_processes=2",
            f"distributed.process_id={i}", f"logging.jsonl={tmp_path}/steps{i}.jsonl",
            f"checkpoint.dir={tmp_path}/checkpoints"],
@@ -61,13 +64,13 @@ def test_two_processes_of_four_devices_train_like_one_of_eight(tmp_path):
     assert p.returncode == 0, err[-3000:]
   # Only process 0 reports (gloo writes its own lines on both).
   assert "backend cpu (8 x cpu)" in outputs[0][0] and "5 steps: loss" in outputs[0][0]
-  assert "optimizer_offload_update_on=auto chose " in outputs[0][0]
+  assert ("host kernel: " in outputs[0][0]) == (update_on == "host_kernel")
   assert "backend" not in outputs[1][0] and "loss" not in outputs[1][0]
   assert not (tmp_path / "steps1.jsonl").exists()
   losses = [json.loads(line)["loss"] for line in (tmp_path / "steps0.jsonl").read_text().splitlines()]
-  want = train(load_config(None, COMMON), log=lambda _: None)
+  want = train(load_config(None, common), log=lambda _: None)
   np.testing.assert_allclose(losses, want, rtol=1e-5)
-  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["5"]
+  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [claims.FILE, "5"]
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -76,9 +76,20 @@ class DeviceScalars:
 def placed(arrays: list, memory_kind: str) -> list:
   """``arrays`` in ``memory_kind`` (a copy each that runs beside the device's programs; none
   where they are there already); shapes, while compiling, as they are."""
-  return [jax.device_put(x, x.sharding.with_memory_kind(memory_kind))
+  return [_to_memory_kind(x, memory_kind)
           if isinstance(x, jax.Array) and x.sharding.memory_kind != memory_kind else x
           for x in arrays]
+
+
+def _to_memory_kind(x: jax.Array, memory_kind: str) -> jax.Array:
+  """``x`` copied to ``memory_kind``. Where this process holds only some of its shards, a
+  copy per shard: JAX would otherwise run a program over all the devices."""
+  sharding = x.sharding.with_memory_kind(memory_kind)
+  if x.is_fully_addressable:
+    return jax.device_put(x, sharding)
+  shards = [jax.device_put(s.data, s.data.sharding.with_memory_kind(memory_kind))
+            for s in x.addressable_shards]
+  return jax.make_array_from_single_device_arrays(x.shape, sharding, shards)
 
 
 def layer_sharding(stack_sharding: jax.sharding.NamedSharding) -> jax.sharding.NamedSharding:

@@ -104,6 +104,13 @@ class OverlappedStep:
         *(piece for name in p.head for piece in p.host_pieces(name))]))
     self._compiled: dict[str, jax.stages.Compiled] = {}
     self._scalars = DeviceScalars(self.setup.mesh)
+    # Python kept within ``moved.PROGRAMS_AHEAD`` programs of the device: where activations
+    # or weights move, so that copies are judged near the device's time; and on XLA:CPU,
+    # where a launch that finds its device's programs in flight at their bound waits holding
+    # a thread of the client's pool (as many as the devices), which the bodies of a program
+    # with collectives all need at once: far enough ahead, that launch waits on a collective
+    # that waits on it.
+    self._paced = bool(p.moved or p.weights_offloaded or jax.default_backend() == "cpu")
 
   def __call__(self, device_leaves: list, host: Optional[HostAdamW], opt_state: Any,
                tokens: jax.Array) -> tuple[list, Any, jax.Array, jax.Array]:
@@ -116,9 +123,9 @@ class OverlappedStep:
     def run(key, jitted, static, *args):
       compiled = self._compiled.get(key)
       outputs = compiled(*args) if compiled is not None else jitted(*static, *args)
-      # Whether a copy has ended is then asked near the device's time, and a layer sent ahead
-      # takes device memory a few programs, not a pass, before it is read.
-      if self.piece.moved or self.piece.weights_offloaded:
+      # A layer sent ahead then takes device memory a few programs, not a pass, before it is
+      # read.
+      if self._paced:
         moves.dispatched(outputs)
       return outputs
 
