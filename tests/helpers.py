@@ -1,17 +1,48 @@
 """Shared test fixtures: a tree of mixed leaf sizes, gradients, a reference training loop, and
 the trainer's common overrides."""
 
+import os
 import re
+import shlex
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxoffload.train import claims
+
 # The trainer's overrides for half the optimizer state on the host kernel.
 HOST_KERNEL = ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5",
                "optimizer.optimizer_offload_update_on=host_kernel"]
 QUIET = lambda _: None  # A trainer's log that prints nothing.
+
+
+def on_small_disk(directory, size: str, argv: list[str]) -> list[str]:
+  """``argv`` as a command that finds ``directory`` (which exists) on a disk of ``size``
+  (``"4m"``): a tmpfs mounted there in a mount namespace of its own, which needs no root.
+  Its status is ``argv``'s; after its output, a line ``LISTED`` and the names then in
+  ``directory``, one a line (the disk goes with the namespace)."""
+  quoted = shlex.quote(str(directory))
+  script = (f'mount -t tmpfs -o size={size} tmpfs {quoted} || exit 99; "$@"; status=$?; '
+            f'echo {LISTED}; ls -A1 {quoted}; exit $status')
+  return ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script, "-", *argv]
+
+
+LISTED = "--- listed:"
+
+
+def listed(stdout: str) -> list[str]:
+  """The names ``on_small_disk``'s command listed, sorted."""
+  return sorted(stdout.split(LISTED + "\n", 1)[1].split())
+
+
+def checkpoint_entries(directory) -> list[str]:
+  """The names in a checkpoint directory that runs have let go of, sorted: its claim file
+  (``train.claims``), asserted there and empty (let go), left out."""
+  with open(os.path.join(directory, claims.FILE), "rb") as claim:
+    assert claim.read() == b"", "a run still claims the directory, or died holding it"
+  return sorted(name for name in os.listdir(directory) if name != claims.FILE)
 
 
 def mixed_params(dtype=jnp.float32, seed=0):

@@ -16,9 +16,9 @@ from jaxoffload.placement import leaf_path
 from jaxoffload.remat import layer_groups
 from jaxoffload.train import Trainer, load_config, resolve, train
 from jaxoffload.train import checkpoints as ckpt
-from jaxoffload.train import host_checkpoint
+from jaxoffload.train import claims, host_checkpoint
 from jaxoffload.train.config import ConfigError
-from tests.helpers import HOST_KERNEL, QUIET
+from tests.helpers import HOST_KERNEL, QUIET, checkpoint_entries, listed, on_small_disk
 
 OFFLOAD = HOST_KERNEL[:2]
 
@@ -56,7 +56,7 @@ def test_resume_continues_exactly(tmp_path, offload):
   second = train(with_checkpoints, log=logged.append)
   assert logged[0] == f"resumed from step 5 in {tmp_path}"
   np.testing.assert_array_equal(first + second, whole)
-  assert sorted(p.name for p in tmp_path.iterdir()) == ["10", "5"]
+  assert checkpoint_entries(tmp_path) == ["10", "5"]
 
 
 KILL_DURING_SAVE = """
@@ -90,7 +90,11 @@ def test_a_run_killed_during_a_save_resumes_from_the_last_complete_checkpoint(tm
   assert any(name.startswith("6.") for name in leftovers), leftovers  # The unfinished save.
   logged = []
   resumed = train(load_config(None, overrides), log=logged.append)
-  assert logged[0] == f"resumed from step 3 in {tmp_path}"
+  # The killed run's claim is taken over, and what its unfinished save wrote removed.
+  assert re.fullmatch(r"note: checkpoint.dir was claimed by process \d+ on host .+, since .+, "
+                      r"which ended without letting go; this run takes it over", logged[0])
+  assert logged[1] == f"resumed from step 3 in {tmp_path}"
+  assert checkpoint_entries(tmp_path) == ["10", "6", "9"]  # The newest three kept.
   whole = train(load_config(None, overrides[:1] + overrides[3:]), log=QUIET)
   np.testing.assert_array_equal(resumed, whole[3:])
 
@@ -161,7 +165,7 @@ def test_a_damaged_newest_checkpoint_is_kept_aside_and_the_run_resumes_before_it
                       rf"{re.escape(str(tmp_path / '6.unreadable'))}", logged[0])
   assert logged[1] == f"resumed from step 4 in {tmp_path}"
   np.testing.assert_array_equal(resumed, whole[4:])
-  assert sorted(p.name for p in tmp_path.iterdir()) == ["2", "4", "6", "6.unreadable"]
+  assert checkpoint_entries(tmp_path) == ["2", "4", "6", "6.unreadable"]
 
 
 @pytest.mark.slow
@@ -173,7 +177,7 @@ def test_when_no_checkpoint_can_be_read_the_run_refuses_and_renames_nothing(tmp_
   with pytest.raises(ConfigError, match=rf"^no checkpoint in {re.escape(str(tmp_path))} can be "
                                         rf"read; the oldest, step 1: ValueError: "):
     train(load_config(None, overrides + ["checkpoint.resume=True"]), log=QUIET)
-  assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "2"]
+  assert checkpoint_entries(tmp_path) == ["1", "2"]
 
 
 def test_a_checkpoint_dir_that_is_a_file_is_refused(tmp_path):
@@ -205,7 +209,7 @@ def test_what_cannot_resume_is_named_and_nothing_is_renamed(tmp_path):
                                         r"holds another model \(model.hidden_size: 64 -> 128\): "
                                         r"give this run a new checkpoint.dir$"):
     train(load_config(None, base + ["model.hidden_size=128"]), log=QUIET)
-  assert sorted(p.name for p in tmp_path.iterdir()) == ["1"]
+  assert checkpoint_entries(tmp_path) == ["1"]
 
 
 @pytest.mark.slow
@@ -329,7 +333,7 @@ def test_saving_host_resident_state_every_step_changes_no_loss(tmp_path, offload
   saved = train(load_config(None, base + [f"checkpoint.dir={tmp_path}",
                                           "checkpoint.save_interval=1"]), log=QUIET)
   np.testing.assert_array_equal(saved, whole)
-  assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "2", "3"]
+  assert checkpoint_entries(tmp_path) == ["1", "2", "3"]
   # Step 2's checkpoint holds step 2's state, though step 3 ran right after the save.
   shutil.rmtree(tmp_path / "3")
   resumed = train(load_config(None, base + [f"checkpoint.dir={tmp_path}"]), log=QUIET)
@@ -373,7 +377,28 @@ def test_a_disk_too_small_for_one_checkpoint_is_refused_before_training(tmp_path
       rf"^checkpoint.dir '{tmp_path}' has 0.0 GB free, less than one checkpoint of this run "
       r"\(0.0 GB\): free space there or choose another checkpoint.dir$")):
     train(load_config(None, [f"checkpoint.dir={tmp_path}"]), log=QUIET)
-  assert list(tmp_path.iterdir()) == []
+  assert checkpoint_entries(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_a_disk_that_fills_during_a_save_ends_the_run_in_one_line_keeping_what_is_complete(
+    tmp_path):
+  # The tiny model's checkpoint takes about 2.5 MB: the disk holds one, not two.
+  assert 2e6 < ckpt.size_on_disk(resolve(load_config(None, []))) < 3e6
+  (tmp_path / "ckpt").mkdir()
+  command = [sys.executable, "-m", "jaxoffload.train", "train.train_iters=6",
+             "checkpoint.save_interval=2", "checkpoint.keep=5",
+             f"checkpoint.dir={tmp_path / 'ckpt'}", "logging.progress_bar=False"]
+  full = subprocess.run(on_small_disk(tmp_path / "ckpt", "4m", command), capture_output=True,
+                        text=True, timeout=600, check=False)
+  assert full.returncode == 2, full.stderr[-3000:]
+  # Step 4's save is not started: the disk has not the room step 2's took.
+  assert re.fullmatch(
+      rf"error: checkpoint.dir '{re.escape(str(tmp_path / 'ckpt'))}' has \d+ MB free, less than "
+      r"the checkpoint of step 4 needs \(\d+ MB\); the run stopped; its complete checkpoints: "
+      r"steps \[2\]: free space there, and the same command resumes\n", full.stderr)
+  # The complete step kept, the failed one's partial files gone, the claim let go.
+  assert listed(full.stdout) == [claims.FILE, "2"]
 
 
 def test_a_save_that_fails_stops_in_one_line_keeping_the_complete_checkpoints(tmp_path,

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxoffload.train import load_config, metrics, stopping, train
-from tests.helpers import QUIET
+from tests.helpers import QUIET, checkpoint_entries
 
 
 def signalled_at(monkeypatch, step: int, *signums: int) -> None:
@@ -40,7 +40,7 @@ def test_a_signal_stops_the_run_after_its_step_saved_there_and_the_run_resumes_e
   assert str(stopped.value) == (f"stopped by {name} after step 2 of 6; saved a checkpoint "
                                 f"of step 2 in {tmp_path}: the same command resumes it")
   assert stopped.value.signum == signum
-  assert [p.name for p in tmp_path.iterdir()] == ["2"]
+  assert checkpoint_entries(tmp_path) == ["2"]
   assert signal.getsignal(signum) is before
   monkeypatch.undo()
   logged = []
@@ -56,7 +56,7 @@ def test_a_second_ctrl_c_stops_the_run_at_once(tmp_path, monkeypatch, capfd):
     train(load_config(None, ["train.train_iters=3", f"checkpoint.dir={tmp_path}"]), log=QUIET)
   # The first was taken as a request to stop after the step; the second did not wait for it.
   assert "SIGINT: stopping after this step (Ctrl-C again stops at once)" in capfd.readouterr().err
-  assert not list(tmp_path.iterdir())
+  assert checkpoint_entries(tmp_path) == []
   assert signal.getsignal(signal.SIGINT) is before
 
 
@@ -88,4 +88,4 @@ def test_the_train_command_stopped_by_sigterm_exits_143_saying_where_it_saved(tm
   assert err.strip().splitlines()[-1] == (
       f"stopped by SIGTERM after step {step} of 100000; saved a checkpoint of step {step} in "
       f"{tmp_path}/ckpt: the same command resumes it")
-  assert [p.name for p in (tmp_path / "ckpt").iterdir()] == [str(step)]
+  assert checkpoint_entries(tmp_path / "ckpt") == [str(step)]

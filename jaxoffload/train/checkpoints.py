@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import glob
+import logging
 import math
 import os
 import re
@@ -25,18 +27,49 @@ from typing import Any, Callable, Iterator, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
+from jaxoffload.memory import size
 from jaxoffload.model import LlamaConfig
-from jaxoffload.train import host_checkpoint, reader, rules
+from jaxoffload.train import claims, host_checkpoint, reader, rules
 from jaxoffload.train.config import Config, ConfigError
 from jaxoffload.train.loading import RUN_FIELDS, config_from_dict
 from jaxoffload.train.resolve import Setup, learning_rate
 from jaxoffload.train.step import STATE_ITEMS, Moments, Trainer
 
 
+def claim(config: Config) -> Optional[claims.Claim]:
+  """Makes ``checkpoint.dir`` where missing and claims it for this run, before ``manager``
+  opens it: process 0 holds the claim for every process of the run; None without a dir,
+  and in the other processes.
+
+  Raises:
+    ConfigError: in every process, naming the directory when it is a file or cannot be
+      written, or the run that holds it.
+  """
+  if config.checkpoint.dir is None:
+    return None
+  directory = _directory(config.checkpoint.dir)
+  held, refusal = None, None
+  if jax.process_index() == 0:
+    try:
+      held = claims.take(directory, "checkpoint.dir")
+    except ConfigError as error:
+      refusal = error
+  if jax.process_count() > 1 and not multihost_utils.broadcast_one_to_all(
+      np.int32(refusal is None)):
+    refusal = refusal or ConfigError(f"checkpoint.dir {directory!r} is in use by another run "
+                                     f"(process 0 of this run found it claimed)")
+  if refusal is not None:
+    raise refusal
+  return held
+
+
 def manager(config: Config) -> Optional[ocp.CheckpointManager]:
-  """Orbax's manager of ``checkpoint.dir`` (the newest ``keep`` kept); None without a dir.
+  """Orbax's manager of ``checkpoint.dir`` (the newest ``keep`` kept), which removes what
+  saves that never ended left (``claim`` it first); None without a dir.
 
   Raises:
     ConfigError: naming the directory, when it is a file or cannot be written.
@@ -44,7 +77,19 @@ def manager(config: Config) -> Optional[ocp.CheckpointManager]:
   c = config.checkpoint
   if c.dir is None:
     return None
-  path = os.path.abspath(c.dir)
+  _quiet_orbax_errors()
+  options = ocp.CheckpointManagerOptions(max_to_keep=c.keep, enable_async_checkpointing=True,
+                                         cleanup_tmp_directories=True)
+  return ocp.CheckpointManager(_directory(c.dir), options=options)
+
+
+def _directory(path: str) -> str:
+  """``checkpoint.dir`` as an absolute path, made where missing.
+
+  Raises:
+    ConfigError: naming it, when it is a file or cannot be made or written.
+  """
+  path = os.path.abspath(path)
   if os.path.exists(path) and not os.path.isdir(path):
     raise ConfigError(f"checkpoint.dir {path!r} is a file, not a directory")
   try:
@@ -53,8 +98,25 @@ def manager(config: Config) -> Optional[ocp.CheckpointManager]:
     raise ConfigError(f"checkpoint.dir {path!r} cannot be created: {error.strerror}") from None
   if not os.access(path, os.W_OK | os.X_OK):
     raise ConfigError(f"checkpoint.dir {path!r} is not writable")
-  options = ocp.CheckpointManagerOptions(max_to_keep=c.keep, enable_async_checkpointing=True)
-  return ocp.CheckpointManager(path, options=options)
+  return path
+
+
+class _OrbaxErrors(logging.Filter):
+  """Leaves out the errors orbax logs as a save fails, from its threads and from its asyncio
+  tasks: the same failure comes back from the save, as the run's one line (``_writing``)."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    orbax = f"{os.sep}orbax{os.sep}"
+    return not (record.levelno >= logging.ERROR
+                and (orbax in record.pathname or orbax in record.getMessage()))
+
+
+def _quiet_orbax_errors() -> None:
+  """Installs ``_OrbaxErrors`` on the loggers orbax's errors reach (absl's, asyncio's), once."""
+  for name in ("absl", "asyncio"):
+    logger = logging.getLogger(name)
+    if not any(isinstance(f, _OrbaxErrors) for f in logger.filters):
+      logger.addFilter(_OrbaxErrors())
 
 
 def bytes_per_element(setup: Setup) -> list[int]:
@@ -73,28 +135,42 @@ def size_on_disk(setup: Setup) -> int:
                                                       bytes_per_element(setup)))
 
 
-def check_space(checkpoints: ocp.CheckpointManager, setup: Setup) -> None:
-  """Refuses a run whose first checkpoint cannot fit on the disk of ``checkpoint.dir``.
+def check_space(checkpoints: ocp.CheckpointManager, setup: Setup,
+                step: Optional[int] = None) -> None:
+  """Refuses a checkpoint that the disk of ``checkpoint.dir`` cannot hold: the run's first,
+  before it trains (``step`` None), or step ``step``'s, before its save starts.
 
   Raises:
-    ConfigError: naming the directory, its free bytes and a checkpoint's.
+    ConfigError: naming the directory, its free bytes and a checkpoint's; for a step, the
+      complete checkpoints the run stops with.
   """
   directory = os.fspath(checkpoints.directory)
   free, need = shutil.disk_usage(directory).free, size_on_disk(setup)
-  if free < need:
+  if free >= need:
+    return
+  if step is None:
     raise ConfigError(f"checkpoint.dir {directory!r} has {free / 1e9:.1f} GB free, less than "
                       f"one checkpoint of this run ({need / 1e9:.1f} GB): free space there or "
                       f"choose another checkpoint.dir")
+  raise ConfigError(f"checkpoint.dir {directory!r} has {size(free)} free, less than the "
+                    f"checkpoint of step {step} needs ({size(need)}); the run stopped; its "
+                    f"complete checkpoints: steps {sorted(checkpoints.all_steps()) or 'none'}: "
+                    f"free space there, and the same command resumes")
 
 
 def save(checkpoints: ocp.CheckpointManager, step: int, trainer: Trainer) -> None:
   """Saves the trainer's state, its config and the step: asynchronously, unless the state
   has buffers in host memory, which orbax reads where they are and so must have written
-  before the next step updates or donates them.
+  before the next step updates or donates them. A save the disk has no room for is not
+  started.
 
   Raises:
-    ConfigError: naming the directory and why, when this save or the one before failed.
+    ConfigError: naming the directory and why, when this save or the one before failed or
+      the disk has no room for this one.
   """
+  with _writing(checkpoints):
+    checkpoints.wait_until_finished()  # As orbax's save would: the space left is then known.
+  check_space(checkpoints, trainer.setup, step)
   state = trainer.checkpoint_items()  # Applies what the host still holds.
   host = state.pop(host_checkpoint.ITEM, None)
   meta = {"step": step, "config": dataclasses.asdict(trainer.setup.config)}
@@ -135,8 +211,13 @@ def _writing(checkpoints: ocp.CheckpointManager) -> Iterator[None]:
     reason = found.group(0) if found else _reason(error)
     with contextlib.suppress(Exception):  # An earlier save still in flight is complete first.
       checkpoints.wait_until_finished()
-    steps = sorted(checkpoints.all_steps(read=True))
-    raise ConfigError(f"a checkpoint could not be written to {os.fspath(checkpoints.directory)!r} "
+    directory = os.fspath(checkpoints.directory)
+    # What the failed save wrote, incomplete; the run's claim keeps other writers out.
+    for partial in glob.glob(f"{glob.escape(directory)}/*{ocp.utils.TMP_DIR_SUFFIX}*"):
+      shutil.rmtree(partial, ignore_errors=True)
+    checkpoints.reload()
+    steps = sorted(checkpoints.all_steps())
+    raise ConfigError(f"a checkpoint could not be written to {directory!r} "
                       f"({reason}); the run stopped; its complete checkpoints: steps "
                       f"{steps or 'none'}") from None
 

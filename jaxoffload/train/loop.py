@@ -87,15 +87,21 @@ def run(config: Config, *, log: Log = print, stop_after_step: Optional[int] = No
     pool_note = host_memory.pool_limit_advice(need)
     if pool_note:
       log(f"note: host memory: {pool_note}")
-  # Made first: a missing writer or a file that cannot be written is found before anything
-  # compiles.
-  tensorboard = (metrics.TensorBoard(config.logging.tensorboard_dir)
-                 if config.logging.tensorboard_dir and reporting else None)
-  jsonl = metrics.open_jsonl(config.logging.jsonl) if config.logging.jsonl and reporting else None
-  if config.logging.profile_dir:
-    metrics.make_folder("logging.profile_dir", config.logging.profile_dir)
-  checkpoints = ckpt.manager(config)
+  claim = ckpt.claim(config)
+  if claim is not None and claim.taken_over:
+    log(f"note: checkpoint.dir was claimed by {claim.taken_over}, which ended without letting "
+        f"go; this run takes it over")
+  checkpoints = jsonl = None
   try:
+    # Made first: a missing writer or a file that cannot be written is found before anything
+    # compiles.
+    tensorboard = (metrics.TensorBoard(config.logging.tensorboard_dir)
+                   if config.logging.tensorboard_dir and reporting else None)
+    jsonl = (metrics.open_jsonl(config.logging.jsonl) if config.logging.jsonl and reporting
+             else None)
+    if config.logging.profile_dir:
+      metrics.make_folder("logging.profile_dir", config.logging.profile_dir)
+    checkpoints = ckpt.manager(config)
     if checkpoints is not None:
       ckpt.check_space(checkpoints, setup)
     return _run(setup, checkpoints, jsonl, tensorboard, log, stop_after_step)
@@ -106,8 +112,12 @@ def run(config: Config, *, log: Log = print, stop_after_step: Optional[int] = No
   finally:
     if jsonl is not None:
       jsonl.close()
-    if checkpoints is not None:
-      ckpt.close(checkpoints)
+    try:
+      if checkpoints is not None:
+        ckpt.close(checkpoints)
+    finally:
+      if claim is not None:
+        claim.release()
 
 
 def _run(setup: Setup, checkpoints, jsonl: Optional[TextIO],
