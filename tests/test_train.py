@@ -75,6 +75,79 @@ def test_config_errors_exit_2_with_one_line(args, message, capsys):
   assert (out, err) == ("", message)
 
 
+def empty_file(directory):
+  (directory / "empty.txt").write_text("")
+  return ["data.dataset=text", f"data.path={directory / 'empty.txt'}"]
+
+
+def blank_jsonl(directory):
+  (directory / "blank.jsonl").write_text("\n  \n\n")
+  return ["data.dataset=text", f"data.path={directory / 'blank.jsonl'}"]
+
+
+def empty_documents(directory):
+  (directory / "empty.jsonl").write_text('{"text": ""}\n')
+  return ["data.dataset=text", f"data.path={directory / 'empty.jsonl'}"]
+
+
+def jsonl_onto_a_directory(directory):
+  (directory / "steps.jsonl").mkdir()
+  return [f"logging.jsonl={directory / 'steps.jsonl'}"]
+
+
+def checkpoints_onto_a_file(directory):
+  (directory / "run").write_text("keep me")
+  return [f"checkpoint.dir={directory / 'run'}"]
+
+
+# Each a member of a class of faults: empty inputs, shapes no machine holds, outputs onto
+# paths that exist as something else.
+@pytest.mark.parametrize("make, message", [
+    (empty_file, r"data.path '.+/empty.txt' holds no text: no document in its 1 file"),
+    (blank_jsonl, r"data.path '.+/blank.jsonl' holds no text: no document in its 1 file"),
+    (empty_documents, r"data.path '.+/empty.jsonl' holds no text: no document in its 1 file"),
+    # A batch of 25.6 GB of tokens, refused by the host's arithmetic before it is made.
+    (lambda _: ["train.global_batch_size=100000000", "train.micro_batch_size=100000000"],
+     r"host memory: this run needs about [\d.]+ GB more \(.*a step's batch 51.2 GB\) but "
+     r".+; lower it with train.global_batch_size, model.seq_length, or set "
+     r"train.host_memory_limit where that figure is wrong"),
+    # Logits of 82 GB for one micro-batch, refused by the device's before anything compiles.
+    (lambda _: ["model.seq_length=10000000"],
+     r"device memory: one device needs at least 81.9 GB for this step \(its parameters and "
+     r"optimizer state \d+ MB, its share of one micro-batch's float32 logits 81.9 GB\) but has "
+     r".+; lower it with train.micro_batch_size, model.seq_length, more devices "
+     r"\(mesh.data, mesh.fsdp\)"),
+    (jsonl_onto_a_directory, r"logging.jsonl=.+/steps.jsonl: cannot be written \(Is a directory"),
+    (checkpoints_onto_a_file, r"checkpoint.dir '.+/run' is a file, not a directory"),
+], ids=["empty-corpus", "blank-jsonl", "empty-documents", "batch-beyond-the-host", "sequence-beyond-the-device",
+        "jsonl-onto-a-directory", "checkpoints-onto-a-file"])
+def test_faults_exit_2_with_one_line_writing_nothing_here(tmp_path, monkeypatch, capsys, make,
+                                                          message):
+  args = make(tmp_path)
+  before = sorted(os.listdir(tmp_path))
+  here = tmp_path / "here"
+  here.mkdir()
+  monkeypatch.chdir(here)
+  with pytest.raises(SystemExit) as exit_:
+    main(["train.train_iters=2", *args])
+  assert exit_.value.code == 2
+  out, err = capsys.readouterr()
+  assert out == "" and re.fullmatch(f"error: {message}.*\n", err), err
+  assert not os.listdir(here) and sorted(os.listdir(tmp_path)) == sorted(before + ["here"])
+  if make is checkpoints_onto_a_file:
+    assert (tmp_path / "run").read_text() == "keep me"
+
+
+def test_a_full_disk_under_the_jsonl_warns_once_and_the_run_goes_on():
+  logged = []
+  losses = train(load_config(None, ["train.train_iters=3", "logging.jsonl=/dev/full"]),
+                 log=logged.append)
+  assert len(losses) == 3
+  assert [line for line in logged if "jsonl" in line] == [
+      "warning: logging.jsonl '/dev/full' could not be written at step 1 (No space left on "
+      "device); the run goes on without it"]
+
+
 @pytest.fixture(scope="module")
 def baseline_losses():
   return train(load_config(None, [f"train.train_iters={STEPS}"]), log=QUIET)

@@ -11,6 +11,7 @@ tokenizer map that file instead of tokenizing again.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import json
@@ -27,7 +28,7 @@ from jaxoffload.train.tokenizer import Tokenizer
 
 CACHE_DIR = ".jaxoffload_cache"
 _BATCH_DOCUMENTS = 512
-_FORMAT = 1  # Bumped when the cache's layout changes.
+_FORMAT = 2  # Bumped when what the cache holds changes.
 
 
 def corpus_files(path: str) -> list[str]:
@@ -60,12 +61,13 @@ def documents(files: list[str], text_field: str) -> Iterator[tuple[str, int]]:
       with open(file, encoding="utf-8") as f:
         if not file.endswith(".jsonl"):
           text = f.read()
-          yield text, len(text.encode("utf-8"))
+          if text:  # An empty file is no document.
+            yield text, len(text.encode("utf-8"))
           continue
         for number, line in enumerate(f, start=1):
-          if not line.strip():
-            continue
-          yield _jsonl_text(file, number, line, text_field), len(line.encode("utf-8"))
+          text = _jsonl_text(file, number, line, text_field) if line.strip() else ""
+          if text:  # A blank line, or an empty text: no document.
+            yield text, len(line.encode("utf-8"))
     except (OSError, UnicodeDecodeError) as error:
       raise ConfigError(f"data.path file {file!r} cannot be read as UTF-8 text: {error}") from None
 
@@ -112,39 +114,70 @@ def cache_path(path: str, key: str) -> str:
 def tokens(path: str, tokenizer: Tokenizer, text_field: str = "text",
            log=lambda line: print(line, file=sys.stderr)) -> np.ndarray:
   """The corpus ``path`` names as token ids (uint32, memory-mapped), end-of-sequence between
-  documents; tokenized on the first call, read from the cache on later ones."""
+  documents; tokenized on the first call, read from the cache on later ones.
+
+  Raises:
+    ConfigError: naming the path, when its files hold no document.
+  """
   files = corpus_files(path)
   cached = cache_path(path, cache_key(files, tokenizer, text_field))
   if not os.path.exists(cached):
-    _write_cache(cached, files, tokenizer, text_field, log)
+    _write_cache(cached, path, files, tokenizer, text_field, log)
   return np.memmap(cached, dtype=np.uint32, mode="r")
 
 
-def _write_cache(cached: str, files: list[str], tokenizer: Tokenizer, text_field: str,
-                 log) -> None:
-  """Tokenizes the documents into ``cached``, through a temporary file renamed when complete."""
-  total = sum(os.path.getsize(f) for f in files)
-  done, start, batch, count = 0, time.perf_counter(), [], 0
-  handle, temporary = tempfile.mkstemp(dir=os.path.dirname(cached), suffix=".partial")
-  with os.fdopen(handle, "wb") as out:
-    def flush():
-      nonlocal count
-      for ids in tokenizer.encode_batch(batch):
-        if count:
-          out.write(np.asarray([tokenizer.eos_id], np.uint32).tobytes())
-        out.write(np.asarray(ids, np.uint32).tobytes())
-        count += 1
-      batch.clear()
+def _write_cache(cached: str, path: str, files: list[str], tokenizer: Tokenizer,
+                 text_field: str, log) -> None:
+  """Tokenizes the documents into ``cached``, through a temporary file renamed when complete
+  (removed, with the cache's directory where that is left empty, when it cannot be).
 
-    for text, size in documents(files, text_field):
-      batch.append(text)
-      done += size
-      if len(batch) == _BATCH_DOCUMENTS:
-        flush()
-        log(_progress(done, total, start))
-    flush()
-  os.replace(temporary, cached)
+  Raises:
+    ConfigError: naming ``path``, when its files hold no document or cannot be read, or the
+      cache cannot be written (a full disk).
+  """
+  start, total = time.perf_counter(), sum(os.path.getsize(f) for f in files)
+  handle, temporary = tempfile.mkstemp(dir=os.path.dirname(cached), suffix=".partial")
+  try:
+    with os.fdopen(handle, "wb") as out:
+      count = _tokenize(out, files, tokenizer, text_field,
+                        lambda done: log(_progress(done, total, start)))
+    if not count:  # Nothing to cache, nor to train on.
+      raise ConfigError(f"data.path {path!r} holds no text: no document in its {len(files)} "
+                        f"file{'s' if len(files) > 1 else ''}")
+    os.replace(temporary, cached)
+  except BaseException as error:
+    os.remove(temporary)
+    with contextlib.suppress(OSError):
+      os.rmdir(os.path.dirname(cached))
+    if isinstance(error, OSError):
+      raise ConfigError(f"the tokens of data.path {path!r} cannot be cached in "
+                        f"{os.path.dirname(cached)!r}: {error.strerror}") from None
+    raise
   log(_progress(total, total, start) + f"; {count:,} documents cached in {cached}")
+
+
+def _tokenize(out, files: list[str], tokenizer: Tokenizer, text_field: str, progress) -> int:
+  """Writes the documents' ids to ``out``, end-of-sequence between them, calling
+  ``progress(bytes read)`` after each batch; returns how many documents it wrote."""
+  done, batch, count = 0, [], 0
+
+  def flush():
+    nonlocal count
+    for ids in tokenizer.encode_batch(batch):
+      if count:
+        out.write(np.asarray([tokenizer.eos_id], np.uint32).tobytes())
+      out.write(np.asarray(ids, np.uint32).tobytes())
+      count += 1
+    batch.clear()
+
+  for text, size in documents(files, text_field):
+    batch.append(text)
+    done += size
+    if len(batch) == _BATCH_DOCUMENTS:
+      flush()
+      progress(done)
+  flush()
+  return count
 
 
 def _progress(done: int, total: int, start: float) -> str:
