@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import json
 import math
 import os
@@ -79,14 +80,22 @@ class StepRecord:
 
 
 def open_jsonl(path: str) -> TextIO:
-  """``logging.jsonl``'s file, opened to append to, its folder made where missing.
+  """``logging.jsonl``'s file, opened to append to, its folder made where missing, and held
+  by this run alone (an exclusive ``flock`` until it is closed).
 
   Raises:
-    ConfigError: naming the path, where it cannot be written.
+    ConfigError: naming the path, where it cannot be written or another run writes it.
   """
   with _writable("logging.jsonl", path):
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    return open(path, "a")
+    jsonl = open(path, "a")
+  try:
+    fcntl.flock(jsonl.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except BlockingIOError:
+    jsonl.close()
+    raise ConfigError(f"logging.jsonl {path!r} is being written by another run: give this "
+                      f"run another logging.jsonl") from None
+  return jsonl
 
 
 def make_folder(key: str, path: str) -> None:
@@ -198,8 +207,7 @@ class Monitor:
                         eval_loss, None if eval_loss is None else _perplexity(eval_loss))
     self.records.append(record)
     if self.jsonl is not None:
-      self.jsonl.write(json.dumps(dataclasses.asdict(record)) + "\n")
-      self.jsonl.flush()
+      self._write_jsonl(record)
     if self.tensorboard is not None:
       self.tensorboard.write(record)
     due = (len(self.records) == 1 or step % self.log_interval == 0 or step == self.total_steps
@@ -210,6 +218,19 @@ class Monitor:
     elif due:
       self.log(self._line(record))
     return record
+
+  def _write_jsonl(self, record: StepRecord) -> None:
+    """Appends ``record`` to the JSONL file; where that fails (a full disk), says so once and
+    writes no more: the run is worth more than its log."""
+    try:
+      self.jsonl.write(json.dumps(dataclasses.asdict(record)) + "\n")
+      self.jsonl.flush()
+    except OSError as error:
+      self.log(f"warning: logging.jsonl {self.jsonl.name!r} could not be written at step "
+               f"{record.step} ({error.strerror}); the run goes on without it")
+      with contextlib.suppress(OSError):  # Closed even so, its unwritten line let go.
+        self.jsonl.close()
+      self.jsonl = None
 
   def close(self) -> None:
     """Closes the JSONL file and the TensorBoard writer."""
