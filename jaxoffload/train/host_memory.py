@@ -71,10 +71,9 @@ class HostBytes:
     return ", ".join(f"{name} {size(n)}" for name, n in parts.items() if n)
 
 
-# The parts of what a run holds, as the refusal names them.
-PARTS = ("optimizer state", "host kernel weights", "host kernel gradients",
-         "host kernel moments and sums", "offloaded weights", "offloaded activations",
-         "saving a checkpoint")
+# The parts of the state a run holds in host memory, as the refusal names them.
+HELD_PARTS = ("optimizer state", "host kernel weights", "host kernel gradients",
+              "host kernel moments and sums", "offloaded weights")
 
 
 def local_elements(shape: Any, sharding: jax.sharding.Sharding) -> int:
@@ -91,9 +90,16 @@ def needed(setup: Setup) -> HostBytes:
   held["JAX runtime"] = RUNTIME_BYTES
   share = jax.local_device_count() / jax.device_count()
   transient = {"loading the first weights": weights_.staging_bytes(setup),
+               "a step's batch": batch_bytes(setup),
                "offloaded activations": int(share * _activation_bytes(setup)),
                "saving a checkpoint": int(saved) if setup.config.checkpoint.dir else 0}
   return HostBytes(held, transient, pinned)
+
+
+def batch_bytes(setup: Setup) -> int:
+  """The host memory a step's batch takes as it is made: every process makes the whole
+  global batch (int32 tokens), and holds it twice while it is cast and placed."""
+  return 2 * math.prod(setup.batch_shape.shape) * setup.batch_shape.dtype.itemsize
 
 
 def pinned_per_device(setup: Setup) -> int:
@@ -142,7 +148,7 @@ def _state(setup: Setup, elements_of) -> tuple[dict[str, int], int, float]:
   by_layer = setup.weights_updated_by_layer
   grads_by_piece: dict[str, float] = {}  # Per program's pieces: one layer's, or the rest's.
   fetched = jax.tree.leaves(setup.fetched_by_model)
-  held = dict.fromkeys(PARTS[:-2], 0)
+  held = dict.fromkeys(HELD_PARTS, 0)
   transfer = iter(zip(setup.transfer_dtypes, setup.weight_transfer_dtypes))
   moments = setup.moment_dtypes
   pinned = saved = 0  # What a save adds: copies of the state a checkpoint holds.

@@ -45,7 +45,8 @@ def lowering_keys(setup: Setup) -> dict[str, list[str]]:
   keys = {"optimizer state": fraction + smaller("bfloat16" if streamed else "int8"),
           "offloaded weights": ["model.cpu_offloading_num_layers"],
           "offloaded activations": ["model.cpu_offloading_num_layers"] + micro_batch,
-          "saving a checkpoint": ["no checkpoint.dir"]}
+          "saving a checkpoint": ["no checkpoint.dir"],
+          "a step's batch": ["train.global_batch_size", "model.seq_length"]}
   if setup.host_kernel:
     keys["host kernel weights"] = fraction + (
         ["model.params_dtype=bfloat16 (bfloat16 masters)"] if m.params_dtype == "float32" else [])

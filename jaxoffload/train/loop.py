@@ -14,7 +14,7 @@ import jax
 import jaxoffload
 from jaxoffload.memory import host_rss_bytes
 from jaxoffload.train import checkpoints as ckpt
-from jaxoffload.train import advice, host_memory, launch, metrics, stopping, weights
+from jaxoffload.train import advice, device_memory, host_memory, launch, metrics, stopping, weights
 from jaxoffload.train.config import Config
 from jaxoffload.train.resolve import Setup, resolve
 from jaxoffload.train.step import Trainer
@@ -78,7 +78,9 @@ def run(config: Config, *, log: Log = print, stop_after_step: Optional[int] = No
   advice.check_backend(config, jax.default_backend())
   setup = resolve(config)
   config = setup.config
-  need = host_memory.check(setup)  # Before anything is allocated.
+  # Before anything is allocated or compiled.
+  need = host_memory.check(setup)
+  device_memory.check(setup)
   if launch.sized_pinned_pool_gib is not None and host_memory.pinned_pool_limit() is not None:
     log(f"host memory: XLA's pinned pool of each GPU sized to {launch.sized_pinned_pool_gib} "
         f"GiB for the {host_memory.size(host_memory.pinned_per_device(setup))} it holds at "

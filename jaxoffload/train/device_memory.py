@@ -1,0 +1,87 @@
+"""The device memory a step cannot do without, and the guard that refuses a shape no device
+here can hold before anything compiles.
+
+``floor`` is a lower bound, not an estimate: what one device holds of the parameters and
+optimizer state between steps, and its share of one micro-batch's float32 logits, which
+the loss reads whole. A run above it cannot fit, whatever XLA does with the rest; one
+below it may still not (XLA's temporaries, the activations).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+
+from jaxoffload.memory import available, size
+from jaxoffload.train import advice
+from jaxoffload.train.config import ConfigError
+from jaxoffload.train.resolve import Setup
+from jaxoffload.train.step import Trainer, resident_device_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Floor:
+  """What one device must hold at least during a step.
+
+  Attributes:
+    state: its parameters and optimizer state in device memory.
+    logits: its share of one micro-batch's float32 logits.
+  """
+
+  state: int
+  logits: int
+
+  @property
+  def total(self) -> int:
+    return self.state + self.logits
+
+
+def floor(setup: Setup) -> Floor:
+  """The least one device holds at ``setup``'s step, reckoned from shapes."""
+  m, t = setup.config.model, setup.config.train
+  logits = t.micro_batch_size * m.seq_length * m.vocab_size * 4
+  # However the mesh splits them, some device holds at least its even share.
+  return Floor(resident_device_bytes(Trainer.from_shapes(setup)), logits // setup.mesh.size)
+
+
+def capacity() -> tuple[int, str]:
+  """The bytes each local device may use, and where that figure comes from: the GPU's
+  allocator limit, or on a CPU the host memory its devices share, split among them."""
+  device = jax.local_devices()[0]
+  limit = (device.memory_stats() or {}).get("bytes_limit")
+  if limit is not None:
+    return limit, f"{device.device_kind}'s allocator limit"
+  have, source = available(None)
+  devices = jax.local_device_count()
+  return have // devices, source + (f", shared by {devices} devices" if devices > 1 else "")
+
+
+def check(setup: Setup, have: Optional[tuple[int, str]] = None) -> Floor:
+  """What ``floor`` says, once one device can hold it.
+
+  Args:
+    setup: the run.
+    have: the bytes each device may use and where that figure comes from; default
+      ``capacity()``.
+
+  Raises:
+    ConfigError: one line with the floor's parts, the device's bytes and the keys that
+      lower the larger part.
+  """
+  need = floor(setup)
+  limit, source = have or capacity()
+  if need.total <= limit:
+    return need
+  t = setup.config.train
+  if need.logits >= need.state:
+    keys = (["train.micro_batch_size"] if t.micro_batch_size > 1 else []) + [
+        "model.seq_length", "more devices (mesh.data, mesh.fsdp)"]
+  else:
+    keys = advice.device_memory_levers(setup.config) + ["more devices (mesh.fsdp)"]
+  raise ConfigError(
+      f"device memory: one device needs at least {size(need.total)} for this step (its "
+      f"parameters and optimizer state {size(need.state)}, its share of one micro-batch's "
+      f"float32 logits {size(need.logits)}) but has {size(limit)} ({source}); lower it with "
+      f"{', '.join(keys)}")
