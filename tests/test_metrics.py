@@ -5,6 +5,7 @@ import json
 import math
 import os
 import re
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -142,6 +143,27 @@ def test_out_of_device_memory_names_the_keys_and_writes_the_memory_profile(tmp_p
       r"=1.0 \(frees about \d+ MB\); train.micro_batch_size=4 \(now 8; frees about \d+ MB\); "
       r"model.recompute_granularity=selective \(frees about \d+ MB\); "
       r"model.recompute_granularity=full \(frees about \d+ MB\) \(docs/config.md\).", err[1])
+
+
+@pytest.mark.parametrize("where", ["checkpoint.dir", None])
+def test_the_memory_profile_goes_beside_the_checkpoints_or_into_a_new_directory_never_here(
+    tmp_path, capsys, monkeypatch, where):
+  def out_of_memory(config):
+    raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 111 GiB")
+
+  monkeypatch.setattr(train_main, "train", out_of_memory)
+  here = tmp_path / "here"
+  here.mkdir()
+  monkeypatch.chdir(here)
+  with pytest.raises(SystemExit):
+    train_main.main([f"{where}={tmp_path}/run"] if where else [])
+  profile = capsys.readouterr().err.splitlines()[0].split("what the device held: ")[1]
+  assert os.path.getsize(profile) > 0 and not os.listdir(here)
+  if where:
+    assert os.path.dirname(profile) == f"{tmp_path}/run"
+  else:
+    assert os.path.basename(os.path.dirname(profile)).startswith("jaxoffload-")
+    shutil.rmtree(os.path.dirname(profile))
 
 
 @pytest.mark.parametrize("config, lever", [

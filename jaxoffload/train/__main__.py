@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 from typing import Optional
 
 import jax
@@ -105,10 +106,18 @@ def _device_levers(config) -> list[str]:
 
 
 def _memory_profile(config) -> str:
-  """Writes the device memory profile (pprof) beside the JSONL log, or here; returns its path."""
-  directory = os.path.dirname(os.path.abspath(config.logging.jsonl)) if (
-      config is not None and config.logging.jsonl) else os.getcwd()
-  path = os.path.join(directory, f"device_memory_{os.getpid()}.prof")
+  """Writes the device memory profile (pprof) into the run's checkpoint directory, else
+  beside its JSONL log, else into a new temporary directory (never the current one);
+  returns its path."""
+  directory = None
+  if config is not None and (config.checkpoint.dir or config.logging.jsonl):
+    directory = config.checkpoint.dir or os.path.dirname(os.path.abspath(config.logging.jsonl))
+    try:
+      os.makedirs(directory, exist_ok=True)
+    except OSError:  # Read-only, or a file: the temporary directory will do.
+      directory = None
+  directory = directory or tempfile.mkdtemp(prefix="jaxoffload-")
+  path = os.path.join(os.path.abspath(directory), f"device_memory_{os.getpid()}.prof")
   jax.profiler.save_device_memory_profile(path)
   return path
 
