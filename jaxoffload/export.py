@@ -18,7 +18,10 @@ import argparse
 import os
 import shutil
 import sys
+import tempfile
 from typing import Optional
+
+from safetensors import SafetensorError
 
 from jaxoffload import hf
 from jaxoffload.hf_config import CheckpointError, stored_dtype
@@ -39,22 +42,51 @@ def export(checkpoint: str, out: str, dtype: Optional[str] = None) -> list[str]:
       run started from, else bfloat16.
 
   Raises:
-    ConfigError: naming the checkpoint, when it cannot be read.
+    ConfigError: naming the checkpoint, when it cannot be read; naming ``out``, when it is a
+      file or a directory that holds anything, or cannot be written (nothing is left of it
+      then).
   """
+  out = os.path.abspath(out)
+  if os.path.exists(out) and not (os.path.isdir(out) and not os.listdir(out)):
+    raise ConfigError(f"{out!r} exists{' and is not empty' if os.path.isdir(out) else ''}: "
+                      f"give the export a new directory")
   config, params = run_params(checkpoint)
   source = config.model.hf_checkpoint
   present = source if source and os.path.isdir(source) else None
   if dtype is None and (present is None or stored_dtype(present) is None):
     # No source's dtype to keep: the one published Llama checkpoints are shared in.
     dtype = "bfloat16"
-  hf.save_checkpoint(out, config.model.llama(), params, dtype=dtype, source=present)
-  tokenizer = source or config.data.tokenizer
-  if tokenizer is not None:
-    directory = tokenizer if os.path.isdir(tokenizer) else os.path.dirname(tokenizer)
-    for name in TOKENIZER_FILES:
-      if os.path.exists(os.path.join(directory, name)):
-        shutil.copyfile(os.path.join(directory, name), os.path.join(out, name))
+  # Written beside it and renamed once whole: a failed export leaves nothing at ``out``.
+  try:
+    partial = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", suffix=".partial",
+                               dir=os.path.dirname(out))
+  except OSError as error:
+    raise ConfigError(f"{out!r} cannot be written: {error.strerror}") from None
+  try:
+    hf.save_checkpoint(partial, config.model.llama(), params, dtype=dtype, source=present)
+    tokenizer = source or config.data.tokenizer
+    if tokenizer is not None:
+      directory = tokenizer if os.path.isdir(tokenizer) else os.path.dirname(tokenizer)
+      for name in TOKENIZER_FILES:
+        if os.path.exists(os.path.join(directory, name)):
+          shutil.copyfile(os.path.join(directory, name), os.path.join(partial, name))
+    os.chmod(partial, 0o777 & ~hf.umask())  # mkdtemp makes it the user's alone.
+    os.replace(partial, out)  # Over an empty directory too.
+  except (OSError, SafetensorError) as error:
+    shutil.rmtree(partial, ignore_errors=True)
+    raise ConfigError(f"{out!r} cannot be written: {_reason(error)}") from None
+  except BaseException:
+    shutil.rmtree(partial, ignore_errors=True)
+    raise
   return sorted(os.listdir(out))
+
+
+
+def _reason(error: Exception) -> str:
+  """Why a write failed, as the operating system said it (safetensors words it in its own)."""
+  if isinstance(error, OSError):
+    return error.strerror or str(error)
+  return str(error).split("I/O error: ")[-1].split(" (os error")[0]
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -232,7 +232,7 @@ def _params_dtype(params: Any) -> str:
   return names.pop() if len(names) == 1 else "float32"
 
 
-def _umask() -> int:
+def umask() -> int:
   """The process's umask, read without changing it where Linux shows it."""
   try:
     with open("/proc/self/status") as f:
@@ -286,7 +286,7 @@ def save_checkpoint(directory: str, config: LlamaConfig, params: Any, *,
   os.makedirs(directory, exist_ok=True)
   # safetensors writes through a temporary file, created 0600 and renamed into place;
   # the checkpoint's files get the mode any file the user creates gets.
-  mode = 0o666 & ~_umask()
+  mode = 0o666 & ~umask()
   # Shards are written under their number alone: their count is known only at the end.
   written: list[tuple[str, dict[str, int]]] = []
   shard: dict[str, np.ndarray] = {}

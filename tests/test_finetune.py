@@ -3,6 +3,8 @@
 import json
 import os
 import stat
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +18,7 @@ from jaxoffload.export import main as export_main
 from jaxoffload.model import Llama, next_token_loss
 from jaxoffload.train import ConfigError, Trainer, load_config, resolve, run, weights
 from jaxoffload.train.__main__ import main
-from tests.helpers import QUIET
+from tests.helpers import QUIET, listed, on_small_disk
 
 CHECKPOINT = "tests/fixtures/tiny_llama"
 FINE_TUNE = [f"model.hf_checkpoint={CHECKPOINT}", "data.dataset=text", "model.seq_length=32",
@@ -154,6 +156,52 @@ def test_export_of_no_run_exits_2_with_one_line(tmp_path, capsys):
     export_main([str(tmp_path / "no-run"), str(tmp_path / "out")])
   assert exit_.value.code == 2
   assert capsys.readouterr().err == f"error: checkpoint '{tmp_path}/no-run' is not a directory\n"
+
+
+@pytest.fixture(scope="module")
+def exported_run(tmp_path_factory):
+  """A run of the fine-tuning config, one step, checkpointed: what the export tests read."""
+  directory = tmp_path_factory.mktemp("exported") / "run"
+  run(load_config(None, FINE_TUNE + ["train.train_iters=1", f"checkpoint.dir={directory}"]),
+      log=QUIET)
+  return directory
+
+
+@pytest.mark.parametrize("existing", ["a file", "a directory with a file"])
+def test_export_onto_an_existing_path_exits_2_with_one_line_and_changes_nothing(
+    tmp_path, capsys, exported_run, existing):
+  out = tmp_path / "out"
+  if existing == "a file":
+    out.write_text("keep me")
+  else:
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+  with pytest.raises(SystemExit) as exit_:
+    export_main([str(exported_run), str(out)])
+  assert exit_.value.code == 2
+  ending = "exists" if existing == "a file" else "exists and is not empty"
+  assert capsys.readouterr().err == f"error: '{out}' {ending}: give the export a new directory\n"
+  kept = out if existing == "a file" else out / "notes.txt"
+  assert kept.read_text() == "keep me" and os.listdir(tmp_path) == ["out"]
+
+
+def test_export_into_an_empty_directory_fills_it(tmp_path, exported_run):
+  (tmp_path / "out").mkdir()
+  assert "model.safetensors" in export(str(exported_run), str(tmp_path / "out"))
+  assert os.listdir(tmp_path) == ["out"]  # Nothing left beside it.
+
+
+@pytest.mark.slow
+def test_export_onto_a_full_disk_exits_2_with_one_line_and_leaves_nothing(tmp_path,
+                                                                         exported_run):
+  (tmp_path / "disk").mkdir()
+  done = subprocess.run(
+      on_small_disk(tmp_path / "disk", "64k", [sys.executable, "-m", "jaxoffload.export",
+                                               str(exported_run), str(tmp_path / "disk/hf")]),
+      capture_output=True, text=True, timeout=300, check=False)
+  assert done.returncode == 2, done.stderr[-2000:]
+  assert done.stderr == f"error: '{tmp_path}/disk/hf' cannot be written: No space left on device\n"
+  assert listed(done.stdout) == []
 
 
 @pytest.mark.parametrize("path, overrides, key, value", [
