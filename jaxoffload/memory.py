@@ -118,7 +118,9 @@ def offloaded_activation_bytes(config: LlamaConfig, groups: Sequence[LayerGroup]
 
 
 def size(n: int) -> str:
-  """``n`` bytes for a person: ``"64.2 GB"``, ``"310 MB"``."""
+  """``n`` bytes for a person: ``"1.3 TB"``, ``"64.2 GB"``, ``"310 MB"``."""
+  if abs(n) >= 1e12:
+    return f"{n / 1e12:,.1f} TB"
   return f"{n / 1e9:.1f} GB" if abs(n) >= 1e9 else f"{n / 1e6:.0f} MB"
 
 

@@ -175,7 +175,7 @@ def test_the_budget_is_the_limit_less_what_the_process_holds_else_the_machines(t
   held = host_rss_bytes()
   have, source = available(10**12)
   assert held <= 10**12 - have <= 2 * held  # RSS read twice: the second may have grown.
-  assert source.startswith("left under train.host_memory_limit=1000.0 GB with the ")
+  assert source.startswith("left under train.host_memory_limit=1.0 TB with the ")
   have, source = available(None)
   assert 0 < have and ("MemAvailable" in source or "cgroup" in source)
   meminfo = tmp_path / "meminfo"

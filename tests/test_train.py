@@ -62,6 +62,7 @@ def test_a_config_error_exits_2_with_one_line_and_no_traceback():
      "error: unknown config key 'optimizer.optimizer_offload_fractoin'; "
      "did you mean 'optimizer.optimizer_offload_fraction'?\n"),
     (["train.train_iters=ten"], "error: train.train_iters must be int, got 'ten' (str)\n"),
+    (["train.seed=-1", "data.dataset=text"], "error: train.seed must be at least 0, got -1\n"),
     (["data.dataset=text", "data.path=/nonexistent/corpus.txt"],
      "error: data.path '/nonexistent/corpus.txt' names no file\n"),
     (["model.hf_checkpoint=/nonexistent"],
@@ -111,15 +112,21 @@ def checkpoints_onto_a_file(directory):
      r"host memory: this run needs about [\d.]+ GB more \(.*a step's batch 51.2 GB\) but "
      r".+; lower it with train.global_batch_size, model.seq_length, or set "
      r"train.host_memory_limit where that figure is wrong"),
-    # Logits of 82 GB for one micro-batch, refused by the device's before anything compiles.
+    # One micro-batch's layer's attention scores: 12,800 TB, refused by the device's
+    # arithmetic before anything compiles.
     (lambda _: ["model.seq_length=10000000"],
-     r"device memory: one device needs at least 81.9 GB for this step \(its parameters and "
-     r"optimizer state \d+ MB, its share of one micro-batch's float32 logits 81.9 GB\) but has "
-     r".+; lower it with train.micro_batch_size, model.seq_length, more devices "
+     r"device memory: one device needs at least 12,800.0 TB for this step \(its parameters and "
+     r"optimizer state \d+ MB, its share of one micro-batch's attention scores 12,800.0 TB\) "
+     r"but has .+; lower it with train.micro_batch_size, model.seq_length, more devices "
      r"\(mesh.data, mesh.fsdp\)"),
+    # Its float32 logits: 205 GB.
+    (lambda _: ["model.vocab_size=100000000"],
+     r"device memory: one device needs at least 358.4 GB for this step \(its parameters and "
+     r"optimizer state 153.6 GB, its share of one micro-batch's float32 logits 204.8 GB\)"),
     (jsonl_onto_a_directory, r"logging.jsonl=.+/steps.jsonl: cannot be written \(Is a directory"),
     (checkpoints_onto_a_file, r"checkpoint.dir '.+/run' is a file, not a directory"),
-], ids=["empty-corpus", "blank-jsonl", "empty-documents", "batch-beyond-the-host", "sequence-beyond-the-device",
+], ids=["empty-corpus", "blank-jsonl", "empty-documents", "batch-beyond-the-host",
+        "attention-beyond-the-device", "logits-beyond-the-device",
         "jsonl-onto-a-directory", "checkpoints-onto-a-file"])
 def test_faults_exit_2_with_one_line_writing_nothing_here(tmp_path, monkeypatch, capsys, make,
                                                           message):

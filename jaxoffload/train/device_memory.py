@@ -2,9 +2,11 @@
 here can hold before anything compiles.
 
 ``floor`` is a lower bound, not an estimate: what one device holds of the parameters and
-optimizer state between steps, and its share of one micro-batch's float32 logits, which
-the loss reads whole. A run above it cannot fit, whatever XLA does with the rest; one
-below it may still not (XLA's temporaries, the activations).
+optimizer state between steps, and its share of the largest array one micro-batch makes
+whole: its float32 logits, which the loss reads at once, or a layer's attention scores
+where the attention implementation writes them out (``xla``). A run above it cannot fit,
+whatever XLA does with the rest; one below it may still not (XLA's temporaries, the other
+activations).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import dataclasses
 from typing import Optional
 
 import jax
+import jax.numpy as jnp
 
 from jaxoffload.memory import available, size
 from jaxoffload.train import advice
@@ -27,23 +30,30 @@ class Floor:
 
   Attributes:
     state: its parameters and optimizer state in device memory.
-    logits: its share of one micro-batch's float32 logits.
+    activation: its share of the largest array one micro-batch makes whole.
+    activation_name: what that array is.
   """
 
   state: int
-  logits: int
+  activation: int
+  activation_name: str
 
   @property
   def total(self) -> int:
-    return self.state + self.logits
+    return self.state + self.activation
 
 
 def floor(setup: Setup) -> Floor:
   """The least one device holds at ``setup``'s step, reckoned from shapes."""
-  m, t = setup.config.model, setup.config.train
-  logits = t.micro_batch_size * m.seq_length * m.vocab_size * 4
-  # However the mesh splits them, some device holds at least its even share.
-  return Floor(resident_device_bytes(Trainer.from_shapes(setup)), logits // setup.mesh.size)
+  m, t = setup.model, setup.config.train
+  arrays = {"float32 logits": t.micro_batch_size * m.seq_length * m.vocab_size * 4}
+  if m.attention == "xla":
+    arrays["attention scores"] = (t.micro_batch_size * m.num_attention_heads * m.seq_length**2
+                                  * jnp.dtype(m.dtype).itemsize)
+  name = max(arrays, key=arrays.get)
+  # However the mesh splits it, some device holds at least its even share.
+  return Floor(resident_device_bytes(Trainer.from_shapes(setup)),
+               arrays[name] // setup.mesh.size, name)
 
 
 def capacity() -> tuple[int, str]:
@@ -75,13 +85,15 @@ def check(setup: Setup, have: Optional[tuple[int, str]] = None) -> Floor:
   if need.total <= limit:
     return need
   t = setup.config.train
-  if need.logits >= need.state:
+  if need.activation >= need.state:
     keys = (["train.micro_batch_size"] if t.micro_batch_size > 1 else []) + [
         "model.seq_length", "more devices (mesh.data, mesh.fsdp)"]
+    if need.activation_name == "attention scores" and jax.default_backend() == "gpu":
+      keys.insert(0, "model.attention_implementation=cudnn (which writes no scores out)")
   else:
     keys = advice.device_memory_levers(setup.config) + ["more devices (mesh.fsdp)"]
   raise ConfigError(
       f"device memory: one device needs at least {size(need.total)} for this step (its "
       f"parameters and optimizer state {size(need.state)}, its share of one micro-batch's "
-      f"float32 logits {size(need.logits)}) but has {size(limit)} ({source}); lower it with "
-      f"{', '.join(keys)}")
+      f"{need.activation_name} {size(need.activation)}) but has {size(limit)} ({source}); "
+      f"lower it with {', '.join(keys)}")

@@ -136,6 +136,7 @@ def _check_sizes(config: Config) -> None:
                      ("checkpoint.save_interval", c.save_interval), ("checkpoint.keep", c.keep)):
     _at_least(key, value, 1)
   _at_least("logging.log_interval", config.logging.log_interval, 0)
+  _at_least("train.seed", t.seed, 0)  # NumPy's generators of the text batches take no other.
   if t.host_memory_limit is not None:
     try:
       limit = parse_bytes(t.host_memory_limit)
