@@ -189,6 +189,21 @@ def test_every_shipped_config_trains_at_a_tiny_width(path):
   assert len(losses) == 2 and all(np.isfinite(losses))
 
 
+# The shipped configs a CPU trains at their own size in seconds; the others' curves are
+# measured on a GPU (benchmarks/config_losses.py, docs/performance.md#shipped-configs).
+CPU_SIZED = ["configs/tiny.yaml"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", CPU_SIZED)
+def test_a_config_trained_for_its_own_steps_ends_lower_and_falls_over_its_last_ten(path):
+  config = load_config(path)
+  losses = train(config, log=lambda _: None)
+  assert len(losses) == config.train.train_iters
+  slope = np.polyfit(np.arange(10), losses[-10:], 1)[0]
+  assert losses[-1] < losses[0] and slope < 0, losses
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["optimizer.accumulate_offloaded_grads_on=cpu"],
      "optimizer.accumulate_offloaded_grads_on must be one of ['host', 'device'], got 'cpu'"),
