@@ -18,13 +18,14 @@ HOST_KERNEL = ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offl
 QUIET = lambda _: None  # A trainer's log that prints nothing.
 
 
-def on_small_disk(directory, size: str, argv: list[str]) -> list[str]:
-  """``argv`` as a command that finds ``directory`` (which exists) on a disk of ``size``
-  (``"4m"``): a tmpfs mounted there in a mount namespace of its own, which needs no root.
-  Its status is ``argv``'s; after its output, a line ``LISTED`` and the names then in
-  ``directory``, one a line (the disk goes with the namespace)."""
+def on_tmpfs(directory, options: str, argv: list[str]) -> list[str]:
+  """``argv`` as a command that finds ``directory`` (which exists) on a disk of its own, a
+  tmpfs mounted there with ``options`` (``"size=4m"``: a small disk; ``"ro"``: a read-only
+  one) in a mount namespace of its own, which needs no root. Its status is ``argv``'s;
+  after its output, a line ``LISTED`` and the names then in ``directory``, one a line (the
+  disk goes with the namespace)."""
   quoted = shlex.quote(str(directory))
-  script = (f'mount -t tmpfs -o size={size} tmpfs {quoted} || exit 99; "$@"; status=$?; '
+  script = (f'mount -t tmpfs -o {options} tmpfs {quoted} || exit 99; "$@"; status=$?; '
             f'echo {LISTED}; ls -A1 {quoted}; exit $status')
   return ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script, "-", *argv]
 
@@ -33,7 +34,7 @@ LISTED = "--- listed:"
 
 
 def listed(stdout: str) -> list[str]:
-  """The names ``on_small_disk``'s command listed, sorted."""
+  """The names ``on_tmpfs``'s command listed, sorted."""
   return sorted(stdout.split(LISTED + "\n", 1)[1].split())
 
 

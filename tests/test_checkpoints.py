@@ -18,7 +18,7 @@ from jaxoffload.train import Trainer, load_config, resolve, train
 from jaxoffload.train import checkpoints as ckpt
 from jaxoffload.train import claims, host_checkpoint
 from jaxoffload.train.config import ConfigError
-from tests.helpers import HOST_KERNEL, QUIET, checkpoint_entries, listed, on_small_disk
+from tests.helpers import HOST_KERNEL, QUIET, checkpoint_entries, listed, on_tmpfs
 
 OFFLOAD = HOST_KERNEL[:2]
 
@@ -389,7 +389,7 @@ def test_a_disk_that_fills_during_a_save_ends_the_run_in_one_line_keeping_what_i
   command = [sys.executable, "-m", "jaxoffload.train", "train.train_iters=6",
              "checkpoint.save_interval=2", "checkpoint.keep=5",
              f"checkpoint.dir={tmp_path / 'ckpt'}", "logging.progress_bar=False"]
-  full = subprocess.run(on_small_disk(tmp_path / "ckpt", "4m", command), capture_output=True,
+  full = subprocess.run(on_tmpfs(tmp_path / "ckpt", "size=4m", command), capture_output=True,
                         text=True, timeout=600, check=False)
   assert full.returncode == 2, full.stderr[-3000:]
   # Step 4's save is not started: the disk has not the room step 2's took.

@@ -18,7 +18,7 @@ from jaxoffload.export import main as export_main
 from jaxoffload.model import Llama, next_token_loss
 from jaxoffload.train import ConfigError, Trainer, load_config, resolve, run, weights
 from jaxoffload.train.__main__ import main
-from tests.helpers import QUIET, listed, on_small_disk
+from tests.helpers import QUIET, listed, on_tmpfs
 
 CHECKPOINT = "tests/fixtures/tiny_llama"
 FINE_TUNE = [f"model.hf_checkpoint={CHECKPOINT}", "data.dataset=text", "model.seq_length=32",
@@ -196,11 +196,23 @@ def test_export_onto_a_full_disk_exits_2_with_one_line_and_leaves_nothing(tmp_pa
                                                                          exported_run):
   (tmp_path / "disk").mkdir()
   done = subprocess.run(
-      on_small_disk(tmp_path / "disk", "64k", [sys.executable, "-m", "jaxoffload.export",
+      on_tmpfs(tmp_path / "disk", "size=64k", [sys.executable, "-m", "jaxoffload.export",
                                                str(exported_run), str(tmp_path / "disk/hf")]),
       capture_output=True, text=True, timeout=300, check=False)
   assert done.returncode == 2, done.stderr[-2000:]
   assert done.stderr == f"error: '{tmp_path}/disk/hf' cannot be written: No space left on device\n"
+  assert listed(done.stdout) == []
+
+
+@pytest.mark.slow
+def test_export_onto_a_read_only_disk_exits_2_with_one_line(tmp_path, exported_run):
+  (tmp_path / "disk").mkdir()
+  done = subprocess.run(
+      on_tmpfs(tmp_path / "disk", "ro", [sys.executable, "-m", "jaxoffload.export",
+                                         str(exported_run), str(tmp_path / "disk/hf")]),
+      capture_output=True, text=True, timeout=300, check=False)
+  assert done.returncode == 2, done.stderr[-2000:]
+  assert done.stderr == f"error: '{tmp_path}/disk/hf' cannot be written: Read-only file system\n"
   assert listed(done.stdout) == []
 
 

@@ -18,7 +18,7 @@ from jaxoffload.train import Trainer, advice, load_config, resolve, run, train
 from jaxoffload.train import optimizer as train_optimizer
 from jaxoffload.train.__main__ import main
 from jaxoffload.train.launch import COMMAND_BUFFER_FLAG, set_xla_flags
-from tests.helpers import HOST_KERNEL, QUIET
+from tests.helpers import HOST_KERNEL, QUIET, listed, on_tmpfs
 
 STEPS = 5
 MOVED = ["model.cpu_offloading=True", "model.cpu_offloading_num_layers=2",
@@ -143,6 +143,24 @@ def test_faults_exit_2_with_one_line_writing_nothing_here(tmp_path, monkeypatch,
   assert not os.listdir(here) and sorted(os.listdir(tmp_path)) == sorted(before + ["here"])
   if make is checkpoints_onto_a_file:
     assert (tmp_path / "run").read_text() == "keep me"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key, message", [
+    ("checkpoint.dir", "checkpoint.dir '{path}' cannot be created: Read-only file system"),
+    ("logging.jsonl", "logging.jsonl={path}: cannot be written (Read-only file system: {path})"),
+    ("logging.profile_dir",
+     "logging.profile_dir={path}: cannot be written (Read-only file system: {path})"),
+])
+def test_outputs_on_a_read_only_disk_exit_2_with_one_line(tmp_path, key, message):
+  (tmp_path / "disk").mkdir()
+  path = tmp_path / "disk" / "out"
+  done = subprocess.run(on_tmpfs(tmp_path / "disk", "ro", [
+      sys.executable, "-m", "jaxoffload.train", "train.train_iters=2", f"{key}={path}"]),
+                        capture_output=True, text=True, timeout=300, check=False)
+  assert done.returncode == 2
+  assert done.stderr == f"error: {message.format(path=path)}\n"
+  assert listed(done.stdout) == []
 
 
 def test_a_full_disk_under_the_jsonl_warns_once_and_the_run_goes_on():
