@@ -70,11 +70,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     profile = _memory_profile(config)
     resolved = getattr(error, "resolved_config", config)
     named = _device_levers(resolved) if resolved is not None else []
-    hint = (f"Lower it with: {'; '.join(named)} (docs/config.md)." if named else
-            "Every setting that lowers device memory is at its limit: a smaller model or "
-            "model.seq_length, or more devices (mesh.fsdp).")
-    _exit(f"error: out of device memory: {str(error).splitlines()[0]}; what the device held: "
-          f"{profile}\n{hint}", 1)
+    hint = (f"lower it with {'; '.join(named)} (docs/config.md)" if named else
+            "every setting that lowers device memory is at its limit: a smaller model or "
+            "model.seq_length, or more devices (mesh.fsdp)")
+    _exit(f"error: out of device memory: {str(error).splitlines()[0]}; {hint}; what the device "
+          f"held: {profile}", 1)
 
 
 # What XLA's runtime raises, on some GPUs, running a step whose one program offloads to
