@@ -16,7 +16,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 
 import numpy as np
 
@@ -34,14 +33,16 @@ def verdict(losses: list[float]) -> dict:
           "falls": losses[-1] < losses[0] and slope < 0}
 
 
-def train(config: str, overrides: list[str]) -> dict:
-  """Trains ``config`` in its own process; returns its losses, step times and verdict."""
-  with tempfile.TemporaryDirectory() as directory:
-    jsonl = os.path.join(directory, "steps.jsonl")
-    done = subprocess.run([sys.executable, "-m", "jaxoffload.train", "--config", config,
-                           *overrides, f"logging.jsonl={jsonl}", "logging.progress_bar=False"],
-                          capture_output=True, text=True, check=False)
-    records = ([json.loads(line) for line in open(jsonl)] if os.path.exists(jsonl) else [])
+def train(config: str, overrides: list[str], jsonl: str) -> dict:
+  """Trains ``config`` in its own process, its steps' records written to ``jsonl`` (kept
+  with the report, and read even where the run is cut short); returns its losses, step
+  times and verdict."""
+  if os.path.exists(jsonl):
+    os.remove(jsonl)  # The trainer appends.
+  done = subprocess.run([sys.executable, "-m", "jaxoffload.train", "--config", config,
+                         *overrides, f"logging.jsonl={jsonl}", "logging.progress_bar=False"],
+                        capture_output=True, text=True, check=False)
+  records = ([json.loads(line) for line in open(jsonl)] if os.path.exists(jsonl) else [])
   if done.returncode != 0 or not records:
     sys.stderr.write(done.stderr[-3000:])
     raise SystemExit(f"{config} failed (exit status {done.returncode})")
@@ -60,11 +61,13 @@ def main() -> None:
   parser.add_argument("configs", nargs="+")
   parser.add_argument("--set", nargs="*", default=[], metavar="key=value",
                       help="overrides for every config")
-  parser.add_argument("--out", required=True, help="writes OUT.json and OUT.md")
+  parser.add_argument("--out", required=True,
+                      help="writes OUT.json, OUT.md and each config's steps in OUT_CONFIG.jsonl")
   args = parser.parse_args()
   results = []
   for config in args.configs:
-    results.append(train(config, args.set))
+    name = os.path.splitext(os.path.basename(config))[0]
+    results.append(train(config, args.set, f"{args.out}_{name}.jsonl"))
     print(json.dumps({k: v for k, v in results[-1].items() if k != "losses"}), flush=True)
   mfu = lambda r: "" if r["median_mfu"] is None else f"{100 * r['median_mfu']:.1f}%"
   rows = [f"| {r['config']} | {len(r['losses'])} | {r['first']:.3f} | {r['last']:.3f} | "
