@@ -295,7 +295,8 @@ assert os.environ["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] == str(gib)
 assert launch.size_pinned_pool(config) is None
 # An auto placement: the larger pool of the two it may choose.
 del os.environ["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"]
-auto = load_config("configs/llama_8b_offload.yaml", ["optimizer.optimizer_offload_fraction=1.0"])
+auto = load_config("configs/llama_8b_offload.yaml", ["optimizer.optimizer_offload_fraction=1.0",
+                                                      "optimizer.optimizer_offload_update_on=auto"])
 pools = {}
 for place in ("device", "host_kernel"):
   placed = abstract_setup(load_config("configs/llama_8b_offload.yaml", [
