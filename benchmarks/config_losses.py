@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+from typing import Optional
 
 import numpy as np
 
@@ -25,8 +26,15 @@ LAST = 10  # The steps whose slope must fall.
 
 
 def verdict(losses: list[float]) -> dict:
-  """What the curve did: its first and last losses, the slope of its last ``LAST``, and
-  whether it passes."""
+  """What a curve did.
+
+  Args:
+    losses: a run's loss at each step.
+
+  Returns:
+    Its first and last losses, the least-squares slope of its last ``LAST`` and whether
+    it falls (the last below the first and that slope negative).
+  """
   tail = losses[-LAST:]
   slope = float(np.polyfit(np.arange(len(tail)), tail, 1)[0]) if len(tail) > 1 else 0.0
   return {"first": losses[0], "last": losses[-1], "last_ten_slope": slope,
@@ -34,28 +42,52 @@ def verdict(losses: list[float]) -> dict:
 
 
 def train(config: str, overrides: list[str], jsonl: str) -> dict:
-  """Trains ``config`` in its own process, its steps' records written to ``jsonl`` (kept
-  with the report, and read even where the run is cut short); returns its losses, step
-  times and verdict."""
+  """Trains ``config`` in its own process.
+
+  Args:
+    config: the YAML file.
+    overrides: ``key=value`` settings after it.
+    jsonl: where its steps' records go, kept with the report and read even where the run
+      ends early (a run that fails does not pass).
+
+  Returns:
+    Its losses, exit status, median step time and MFU, peak device bytes and ``verdict``.
+  """
   if os.path.exists(jsonl):
     os.remove(jsonl)  # The trainer appends.
   done = subprocess.run([sys.executable, "-m", "jaxoffload.train", "--config", config,
                          *overrides, f"logging.jsonl={jsonl}", "logging.progress_bar=False"],
                         capture_output=True, text=True, check=False)
-  records = ([json.loads(line) for line in open(jsonl)] if os.path.exists(jsonl) else [])
-  if done.returncode != 0 or not records:
+  records = []
+  if os.path.exists(jsonl):
+    with open(jsonl) as lines:
+      for line in lines:
+        try:
+          records.append(json.loads(line))
+        except ValueError:  # The last line of a run killed as it wrote it.
+          break
+  if done.returncode != 0:
     sys.stderr.write(done.stderr[-3000:])
-    raise SystemExit(f"{config} failed (exit status {done.returncode})")
+    print(f"{config} failed (exit status {done.returncode}) after {len(records)} steps",
+          file=sys.stderr)
+  if not records:
+    raise SystemExit(f"{config} trained no step")
   losses = [r["loss"] for r in records]
   mfu = [r["mfu"] for r in records[1:] if r["mfu"] is not None]
-  return {"config": config, "overrides": overrides, "losses": losses,
+  return {"config": config, "overrides": overrides, "exit_status": done.returncode,
+          "losses": losses,
           "median_step_s": float(np.median([r["step_s"] for r in records[1:] or records])),
           "median_mfu": float(np.median(mfu)) if mfu else None,
           "peak_device_bytes": max((r["peak_device_bytes"] or 0) for r in records),
-          **verdict(losses)}
+          **verdict(losses), "falls": verdict(losses)["falls"] and done.returncode == 0}
+
+
+def _percent(fraction: Optional[float]) -> str:
+  return "" if fraction is None else f"{100 * fraction:.1f}%"
 
 
 def main() -> None:
+  """Trains each config named, prints its result and writes the report."""
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("configs", nargs="+")
@@ -69,9 +101,8 @@ def main() -> None:
     name = os.path.splitext(os.path.basename(config))[0]
     results.append(train(config, args.set, f"{args.out}_{name}.jsonl"))
     print(json.dumps({k: v for k, v in results[-1].items() if k != "losses"}), flush=True)
-  mfu = lambda r: "" if r["median_mfu"] is None else f"{100 * r['median_mfu']:.1f}%"
   rows = [f"| {r['config']} | {len(r['losses'])} | {r['first']:.3f} | {r['last']:.3f} | "
-          f"{r['last_ten_slope']:+.4f} | {r['median_step_s']:.3f} | {mfu(r)} | "
+          f"{r['last_ten_slope']:+.4f} | {r['median_step_s']:.3f} | {_percent(r['median_mfu'])} | "
           f"{'yes' if r['falls'] else 'no'} |" for r in results]
   table = "\n".join([
       "# Shipped configs, each for its own train_iters", "",

@@ -58,6 +58,7 @@ def export(checkpoint: str, out: str, dtype: Optional[str] = None) -> list[str]:
     dtype = "bfloat16"
   # Written beside it and renamed once whole: a failed export leaves nothing at ``out``.
   try:
+    os.makedirs(os.path.dirname(out), exist_ok=True)
     partial = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", suffix=".partial",
                                dir=os.path.dirname(out))
   except OSError as error:

@@ -11,12 +11,13 @@ import jax
 import numpy as np
 import pytest
 
+from jaxoffload.memory import size
 from jaxoffload.params import regroup
 from jaxoffload.placement import leaf_path
 from jaxoffload.remat import layer_groups
 from jaxoffload.train import Trainer, load_config, resolve, train
 from jaxoffload.train import checkpoints as ckpt
-from jaxoffload.train import claims, host_checkpoint
+from jaxoffload.train import checkpoint_dir, claims, host_checkpoint
 from jaxoffload.train.config import ConfigError
 from tests.helpers import HOST_KERNEL, QUIET, checkpoint_entries, listed, on_tmpfs
 
@@ -370,12 +371,12 @@ def test_a_disk_too_small_for_one_checkpoint_is_refused_before_training(tmp_path
   setup = resolve(load_config(None, [f"checkpoint.dir={tmp_path}"]))
   # The default model's float32 parameters and moments: 12 bytes an element.
   elements = sum(x.size for x in jax.tree.leaves(setup.param_shapes))
-  assert ckpt.size_on_disk(setup) == 12 * elements
-  monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda path: types.SimpleNamespace(
-      total=10**9, used=10**9 - 1000, free=1000))
+  assert checkpoint_dir.size_on_disk(setup) == 12 * elements
+  monkeypatch.setattr(checkpoint_dir.shutil, "disk_usage", lambda path: types.SimpleNamespace(
+      total=10**9, used=10**9 - 10**6, free=10**6))
   with pytest.raises(ConfigError, match=(
-      rf"^checkpoint.dir '{tmp_path}' has 0.0 GB free, less than one checkpoint of this run "
-      r"\(0.0 GB\): free space there or choose another checkpoint.dir$")):
+      rf"^checkpoint.dir '{tmp_path}' has 1 MB free, less than one checkpoint of this run "
+      rf"needs \({size(12 * elements)}\); free space there or choose another checkpoint.dir$")):
     train(load_config(None, [f"checkpoint.dir={tmp_path}"]), log=QUIET)
   assert checkpoint_entries(tmp_path) == []
 
@@ -384,7 +385,7 @@ def test_a_disk_too_small_for_one_checkpoint_is_refused_before_training(tmp_path
 def test_a_disk_that_fills_during_a_save_ends_the_run_in_one_line_keeping_what_is_complete(
     tmp_path):
   # The tiny model's checkpoint takes about 2.5 MB: the disk holds one, not two.
-  assert 2e6 < ckpt.size_on_disk(resolve(load_config(None, []))) < 3e6
+  assert 2e6 < checkpoint_dir.size_on_disk(resolve(load_config(None, []))) < 3e6
   (tmp_path / "ckpt").mkdir()
   command = [sys.executable, "-m", "jaxoffload.train", "train.train_iters=6",
              "checkpoint.save_interval=2", "checkpoint.keep=5",

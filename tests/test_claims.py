@@ -1,6 +1,7 @@
 """A checkpoint directory belongs to one run at a time: a second is refused naming the first,
 and a claim a killed run left is taken over."""
 
+import errno
 import json
 import os
 import re
@@ -47,16 +48,17 @@ def test_a_claim_left_by_an_ended_process_is_taken_over_and_named(tmp_path):
 
 @pytest.mark.slow
 def test_two_train_commands_on_one_checkpoint_dir_the_second_refused_in_one_line(tmp_path):
-  jsonl = tmp_path / "steps.jsonl"
-  first = subprocess.Popen(
-      [sys.executable, "-m", "jaxoffload.train", "train.train_iters=100000",
-       f"checkpoint.dir={tmp_path}/ckpt", "checkpoint.save_interval=100000",
-       f"logging.jsonl={jsonl}"],
-      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  claim = tmp_path / "ckpt" / claims.FILE
+  with open(tmp_path / "first.err", "w") as err:
+    first = subprocess.Popen(
+        [sys.executable, "-m", "jaxoffload.train", "train.train_iters=100000",
+         f"checkpoint.dir={tmp_path}/ckpt", "checkpoint.save_interval=100000"],
+        stdout=subprocess.DEVNULL, stderr=err)
   try:
     deadline = time.monotonic() + 300
-    while not (jsonl.exists() and jsonl.read_text().strip()) and time.monotonic() < deadline:
-      assert first.poll() is None, first.stderr.read()[-2000:]
+    while not (claim.exists() and claim.read_text()):  # The first run's claim, named.
+      assert first.poll() is None, (tmp_path / "first.err").read_text()[-2000:]
+      assert time.monotonic() < deadline, "the first run claimed nothing in 300 s"
       time.sleep(0.2)
     second = subprocess.run([sys.executable, "-m", "jaxoffload.train", "train.train_iters=2",
                              f"checkpoint.dir={tmp_path}/ckpt"],
@@ -70,3 +72,19 @@ def test_two_train_commands_on_one_checkpoint_dir_the_second_refused_in_one_line
       rf"\(process {first.pid} on host .+, since .+\): wait for it to end, or give this run "
       r"another checkpoint.dir\n", second.stderr)
   assert os.listdir(tmp_path / "ckpt") == [claims.FILE]  # The killed run saved nothing.
+
+
+@pytest.mark.parametrize("call, code", [("flock", errno.ENOLCK), ("pwrite", errno.ENOSPC)])
+def test_a_directory_that_cannot_be_claimed_is_refused_in_one_line_and_held_by_no_one(
+    tmp_path, monkeypatch, call, code):
+  # A file system without locks (some NFS mounts), or a disk too full for the holder's name.
+  def fails(*args):
+    raise OSError(code, os.strerror(code))
+
+  with monkeypatch.context() as patched:
+    patched.setattr(claims.fcntl if call == "flock" else claims.os, call, fails)
+    with pytest.raises(ConfigError, match=(
+        rf"^checkpoint.dir '{re.escape(str(tmp_path))}' cannot be claimed for this run: "
+        rf"{os.strerror(code)}$")):
+      claims.take(str(tmp_path), "checkpoint.dir")
+  claims.take(str(tmp_path), "checkpoint.dir").release()  # Nothing was left holding it.

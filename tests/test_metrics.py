@@ -1,5 +1,6 @@
 """Run reports: FLOPs per token against a count of the model's weights, MFU, and the JSONL record."""
 
+import errno
 import io
 import json
 import math
@@ -146,7 +147,16 @@ def test_out_of_device_memory_names_the_keys_and_writes_the_memory_profile(tmp_p
       r"device held: .+", err)
 
 
-@pytest.mark.parametrize("where", ["checkpoint.dir", None])
+def refused_in(directory, write):
+  """``write(path)`` that fails as a read-only file system does inside ``directory``."""
+  def written(path):
+    if os.path.dirname(path) == directory:
+      raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+    return write(path)
+  return written
+
+
+@pytest.mark.parametrize("where", ["checkpoint.dir", "read-only checkpoint.dir", None])
 def test_the_memory_profile_goes_beside_the_checkpoints_or_into_a_new_directory_never_here(
     tmp_path, capsys, monkeypatch, where):
   def out_of_memory(config):
@@ -156,11 +166,16 @@ def test_the_memory_profile_goes_beside_the_checkpoints_or_into_a_new_directory_
   here = tmp_path / "here"
   here.mkdir()
   monkeypatch.chdir(here)
+  (tmp_path / "run").mkdir()
+  if where == "read-only checkpoint.dir":
+    # A read-only disk there: refused at the write (root writes through permissions).
+    monkeypatch.setattr(train_main.jax.profiler, "save_device_memory_profile", refused_in(
+        f"{tmp_path}/run", train_main.jax.profiler.save_device_memory_profile))
   with pytest.raises(SystemExit):
-    train_main.main([f"{where}={tmp_path}/run"] if where else [])
+    train_main.main([f"checkpoint.dir={tmp_path}/run"] if where else [])
   profile = capsys.readouterr().err.splitlines()[0].split("what the device held: ")[1]
   assert os.path.getsize(profile) > 0 and not os.listdir(here)
-  if where:
+  if where == "checkpoint.dir":
     assert os.path.dirname(profile) == f"{tmp_path}/run"
   else:
     assert os.path.basename(os.path.dirname(profile)).startswith("jaxoffload-")

@@ -107,19 +107,22 @@ def _device_levers(config) -> list[str]:
 
 def _memory_profile(config) -> str:
   """Writes the device memory profile (pprof) into the run's checkpoint directory, else
-  beside its JSONL log, else into a new temporary directory (never the current one);
-  returns its path."""
-  directory = None
+  beside its JSONL log, else (where neither is set or can be written) into a new temporary
+  directory, never the current one; returns its path."""
+  directories = []
   if config is not None and (config.checkpoint.dir or config.logging.jsonl):
-    directory = config.checkpoint.dir or os.path.dirname(os.path.abspath(config.logging.jsonl))
+    directories.append(config.checkpoint.dir
+                       or os.path.dirname(os.path.abspath(config.logging.jsonl)))
+  for directory in directories + [None]:
     try:
+      directory = directory or tempfile.mkdtemp(prefix="jaxoffload-")
       os.makedirs(directory, exist_ok=True)
-    except OSError:  # Read-only, or a file: the temporary directory will do.
-      directory = None
-  directory = directory or tempfile.mkdtemp(prefix="jaxoffload-")
-  path = os.path.join(os.path.abspath(directory), f"device_memory_{os.getpid()}.prof")
-  jax.profiler.save_device_memory_profile(path)
-  return path
+      path = os.path.join(os.path.abspath(directory), f"device_memory_{os.getpid()}.prof")
+      jax.profiler.save_device_memory_profile(path)
+      return path
+    except OSError as error:  # Read-only, full, or a file: the next place will do.
+      reason = error.strerror
+  return f"none written ({reason})"
 
 
 def _exit(message: str, status: int) -> None:

@@ -19,7 +19,6 @@ import contextlib
 import dataclasses
 import glob
 import logging
-import math
 import os
 import re
 import shutil
@@ -29,47 +28,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from jax.experimental import multihost_utils
 
 from jaxoffload.memory import size
 from jaxoffload.model import LlamaConfig
-from jaxoffload.train import claims, host_checkpoint, reader, rules
+from jaxoffload.train import checkpoint_dir, host_checkpoint, reader, rules
 from jaxoffload.train.config import Config, ConfigError
 from jaxoffload.train.loading import RUN_FIELDS, config_from_dict
 from jaxoffload.train.resolve import Setup, learning_rate
 from jaxoffload.train.step import STATE_ITEMS, Moments, Trainer
 
 
-def claim(config: Config) -> Optional[claims.Claim]:
-  """Makes ``checkpoint.dir`` where missing and claims it for this run, before ``manager``
-  opens it: process 0 holds the claim for every process of the run; None without a dir,
-  and in the other processes.
-
-  Raises:
-    ConfigError: in every process, naming the directory when it is a file or cannot be
-      written, or the run that holds it.
-  """
-  if config.checkpoint.dir is None:
-    return None
-  directory = _directory(config.checkpoint.dir)
-  held, refusal = None, None
-  if jax.process_index() == 0:
-    try:
-      held = claims.take(directory, "checkpoint.dir")
-    except ConfigError as error:
-      refusal = error
-  if jax.process_count() > 1 and not multihost_utils.broadcast_one_to_all(
-      np.int32(refusal is None)):
-    refusal = refusal or ConfigError(f"checkpoint.dir {directory!r} is in use by another run "
-                                     f"(process 0 of this run found it claimed)")
-  if refusal is not None:
-    raise refusal
-  return held
-
-
 def manager(config: Config) -> Optional[ocp.CheckpointManager]:
   """Orbax's manager of ``checkpoint.dir`` (the newest ``keep`` kept), which removes what
-  saves that never ended left (``claim`` it first); None without a dir.
+  saves that never ended left (``checkpoint_dir.claim`` it first); None without a dir.
 
   Raises:
     ConfigError: naming the directory, when it is a file or cannot be written.
@@ -80,25 +51,7 @@ def manager(config: Config) -> Optional[ocp.CheckpointManager]:
   _quiet_orbax_errors()
   options = ocp.CheckpointManagerOptions(max_to_keep=c.keep, enable_async_checkpointing=True,
                                          cleanup_tmp_directories=True)
-  return ocp.CheckpointManager(_directory(c.dir), options=options)
-
-
-def _directory(path: str) -> str:
-  """``checkpoint.dir`` as an absolute path, made where missing.
-
-  Raises:
-    ConfigError: naming it, when it is a file or cannot be made or written.
-  """
-  path = os.path.abspath(path)
-  if os.path.exists(path) and not os.path.isdir(path):
-    raise ConfigError(f"checkpoint.dir {path!r} is a file, not a directory")
-  try:
-    os.makedirs(path, exist_ok=True)
-  except OSError as error:
-    raise ConfigError(f"checkpoint.dir {path!r} cannot be created: {error.strerror}") from None
-  if not os.access(path, os.W_OK | os.X_OK):
-    raise ConfigError(f"checkpoint.dir {path!r} is not writable")
-  return path
+  return ocp.CheckpointManager(checkpoint_dir.made(c.dir), options=options)
 
 
 class _OrbaxErrors(logging.Filter):
@@ -119,45 +72,6 @@ def _quiet_orbax_errors() -> None:
       logger.addFilter(_OrbaxErrors())
 
 
-def bytes_per_element(setup: Setup) -> list[int]:
-  """Per parameter leaf, the bytes a checkpoint holds of each element: the parameter and
-  both moments, float32 for the host kernel's leaves and for 8-bit moments."""
-  moment_bytes = sum(4 if d == "int8" else jnp.dtype(d).itemsize
-                     for d in setup.moment_dtypes)
-  shapes = jax.tree.leaves(setup.param_shapes)
-  host = setup.offload.offloaded if setup.host_kernel else (False,) * len(shapes)
-  return [12 if on_host else p.dtype.itemsize + moment_bytes for p, on_host in zip(shapes, host)]
-
-
-def size_on_disk(setup: Setup) -> int:
-  """About the bytes one checkpoint of ``setup``'s run writes, before compression."""
-  return sum(math.prod(p.shape) * n for p, n in zip(jax.tree.leaves(setup.param_shapes),
-                                                      bytes_per_element(setup)))
-
-
-def check_space(checkpoints: ocp.CheckpointManager, setup: Setup,
-                step: Optional[int] = None) -> None:
-  """Refuses a checkpoint that the disk of ``checkpoint.dir`` cannot hold: the run's first,
-  before it trains (``step`` None), or step ``step``'s, before its save starts.
-
-  Raises:
-    ConfigError: naming the directory, its free bytes and a checkpoint's; for a step, the
-      complete checkpoints the run stops with.
-  """
-  directory = os.fspath(checkpoints.directory)
-  free, need = shutil.disk_usage(directory).free, size_on_disk(setup)
-  if free >= need:
-    return
-  if step is None:
-    raise ConfigError(f"checkpoint.dir {directory!r} has {free / 1e9:.1f} GB free, less than "
-                      f"one checkpoint of this run ({need / 1e9:.1f} GB): free space there or "
-                      f"choose another checkpoint.dir")
-  raise ConfigError(f"checkpoint.dir {directory!r} has {size(free)} free, less than the "
-                    f"checkpoint of step {step} needs ({size(need)}); the run stopped; its "
-                    f"complete checkpoints: steps {sorted(checkpoints.all_steps()) or 'none'}: "
-                    f"free space there, and the same command resumes")
-
-
 def save(checkpoints: ocp.CheckpointManager, step: int, trainer: Trainer) -> None:
   """Saves the trainer's state, its config and the step: asynchronously, unless the state
   has buffers in host memory, which orbax reads where they are and so must have written
@@ -170,7 +84,8 @@ def save(checkpoints: ocp.CheckpointManager, step: int, trainer: Trainer) -> Non
   """
   with _writing(checkpoints):
     checkpoints.wait_until_finished()  # As orbax's save would: the space left is then known.
-  check_space(checkpoints, trainer.setup, step)
+  checkpoint_dir.check_space(os.fspath(checkpoints.directory), trainer.setup, step,
+                             checkpoints.all_steps())
   state = trainer.checkpoint_items()  # Applies what the host still holds.
   host = state.pop(host_checkpoint.ITEM, None)
   meta = {"step": step, "config": dataclasses.asdict(trainer.setup.config)}

@@ -43,11 +43,15 @@ class Claim:
     """Lets go: the next run finds the claim free and unnamed."""
     if self._handle is None:
       return
-    # Emptied, never deleted: a run that opened the file meanwhile would lock a name
-    # no longer in the directory.
-    os.ftruncate(self._handle, 0)
-    os.close(self._handle)  # Closing lets go of the lock.
-    self._handle = None
+    try:
+      # Emptied, never deleted: a run that opened the file meanwhile would lock a name
+      # no longer in the directory.
+      os.ftruncate(self._handle, 0)
+    except OSError:
+      pass  # A name left behind reads as a killed run's: the next run takes it over.
+    finally:
+      os.close(self._handle)  # Closing lets go of the lock.
+      self._handle = None
 
 
 def take(directory: str, key: str) -> Claim:
@@ -61,26 +65,30 @@ def take(directory: str, key: str) -> Claim:
     The claim, held until ``Claim.release`` or the process's end.
 
   Raises:
-    ConfigError: naming the directory and the run that holds it.
+    ConfigError: naming the directory and the run that holds it, or why the directory
+      cannot be claimed (a read-only or full disk, a file system without locks).
   """
-  path = os.path.join(directory, FILE)
+  cannot = lambda error: ConfigError(f"{key} {directory!r} cannot be claimed for this run: "
+                                     f"{error.strerror}")
   try:
-    handle = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    handle = os.open(os.path.join(directory, FILE), os.O_RDWR | os.O_CREAT, 0o644)
   except OSError as error:
-    raise ConfigError(f"{key} {directory!r} cannot be claimed for this run: "
-                      f"{error.strerror}") from None
+    raise cannot(error) from None
   try:
     fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    left = _holder(handle)
+    record = {"pid": os.getpid(), "host": socket.gethostname(),
+              "since": datetime.datetime.now().isoformat(sep=" ", timespec="seconds")}
+    os.ftruncate(handle, 0)
+    os.pwrite(handle, json.dumps(record).encode(), 0)
   except BlockingIOError:
     holder = _holder(handle)
     os.close(handle)
     raise ConfigError(f"{key} {directory!r} is in use by another run ({holder or 'unnamed'}): "
                       f"wait for it to end, or give this run another {key}") from None
-  left = _holder(handle)
-  os.ftruncate(handle, 0)
-  record = {"pid": os.getpid(), "host": socket.gethostname(),
-            "since": datetime.datetime.now().isoformat(sep=" ", timespec="seconds")}
-  os.pwrite(handle, json.dumps(record).encode(), 0)
+  except OSError as error:
+    os.close(handle)
+    raise cannot(error) from None
   return Claim(directory, handle, left)
 
 

@@ -136,7 +136,13 @@ def _write_cache(cached: str, path: str, files: list[str], tokenizer: Tokenizer,
       cache cannot be written (a full disk).
   """
   start, total = time.perf_counter(), sum(os.path.getsize(f) for f in files)
-  handle, temporary = tempfile.mkstemp(dir=os.path.dirname(cached), suffix=".partial")
+  uncacheable = lambda error: ConfigError(
+      f"the tokens of data.path {path!r} cannot be cached in {os.path.dirname(cached)!r}: "
+      f"{error.strerror}")
+  try:
+    handle, temporary = tempfile.mkstemp(dir=os.path.dirname(cached), suffix=".partial")
+  except OSError as error:
+    raise uncacheable(error) from None
   try:
     with os.fdopen(handle, "wb") as out:
       count = _tokenize(out, files, tokenizer, text_field,
@@ -150,8 +156,7 @@ def _write_cache(cached: str, path: str, files: list[str], tokenizer: Tokenizer,
     with contextlib.suppress(OSError):
       os.rmdir(os.path.dirname(cached))
     if isinstance(error, OSError):
-      raise ConfigError(f"the tokens of data.path {path!r} cannot be cached in "
-                        f"{os.path.dirname(cached)!r}: {error.strerror}") from None
+      raise uncacheable(error) from None
     raise
   log(_progress(total, total, start) + f"; {count:,} documents cached in {cached}")
 

@@ -21,7 +21,7 @@ from jaxoffload import host_state
 from jaxoffload.model import group_name
 from jaxoffload.placement import leaf_path
 from jaxoffload.memory import available, offloaded_activation_bytes, parse_bytes, size
-from jaxoffload.train import checkpoints, host_checkpoint, levers
+from jaxoffload.train import checkpoint_dir, host_checkpoint, levers
 from jaxoffload.train import weights as weights_
 from jaxoffload.train.config import ConfigError
 from jaxoffload.train.overlap import GRADIENT_BYTES_AHEAD
@@ -154,7 +154,7 @@ def _state(setup: Setup, elements_of) -> tuple[dict[str, int], int, float]:
   pinned = saved = 0  # What a save adds: copies of the state a checkpoint holds.
   host_pieces = 0  # And the host kernel's pieces, written one at a time.
   for (path, _), shape, sharding, off, fetch, checkpointed in zip(
-      paths, shapes, shardings, offloaded, fetched, checkpoints.bytes_per_element(setup)):
+      paths, shapes, shardings, offloaded, fetched, checkpoint_dir.bytes_per_element(setup)):
     elements = elements_of(shape.shape, sharding)
     moment_bytes = sum(host_state.moment_bytes(d, sharding.shard_shape(shape.shape))
                        for d in moments)

@@ -14,7 +14,8 @@ import jax
 import jaxoffload
 from jaxoffload.memory import host_rss_bytes
 from jaxoffload.train import checkpoints as ckpt
-from jaxoffload.train import advice, device_memory, host_memory, launch, metrics, stopping, weights
+from jaxoffload.train import (advice, checkpoint_dir, device_memory, host_memory, launch, metrics,
+                              stopping, weights)
 from jaxoffload.train.config import Config
 from jaxoffload.train.resolve import Setup, resolve
 from jaxoffload.train.step import Trainer
@@ -89,7 +90,7 @@ def run(config: Config, *, log: Log = print, stop_after_step: Optional[int] = No
     pool_note = host_memory.pool_limit_advice(need)
     if pool_note:
       log(f"note: host memory: {pool_note}")
-  claim = ckpt.claim(config)
+  claim = checkpoint_dir.claim(config)
   if claim is not None and claim.taken_over:
     log(f"note: checkpoint.dir was claimed by {claim.taken_over}, which ended without letting "
         f"go; this run takes it over")
@@ -105,7 +106,7 @@ def run(config: Config, *, log: Log = print, stop_after_step: Optional[int] = No
       metrics.make_folder("logging.profile_dir", config.logging.profile_dir)
     checkpoints = ckpt.manager(config)
     if checkpoints is not None:
-      ckpt.check_space(checkpoints, setup)
+      checkpoint_dir.check_space(os.fspath(checkpoints.directory), setup)
     return _run(setup, checkpoints, jsonl, tensorboard, log, stop_after_step)
   except jax.errors.JaxRuntimeError as error:
     # What the auto settings chose: the out-of-memory advice names levers from there.
