@@ -194,27 +194,17 @@ def test_export_into_an_empty_or_new_directory_fills_it(tmp_path, exported_run, 
 
 
 @pytest.mark.slow
-def test_export_onto_a_full_disk_exits_2_with_one_line_and_leaves_nothing(tmp_path,
-                                                                         exported_run):
+@pytest.mark.parametrize("options, reason", [("size=64k", "No space left on device"),
+                                             ("ro", "Read-only file system")])
+def test_export_onto_a_full_or_read_only_disk_exits_2_with_one_line_and_leaves_nothing(
+    tmp_path, exported_run, options, reason):
   (tmp_path / "disk").mkdir()
   done = subprocess.run(
-      on_tmpfs(tmp_path / "disk", "size=64k", [sys.executable, "-m", "jaxoffload.export",
-                                               str(exported_run), str(tmp_path / "disk/hf")]),
+      on_tmpfs(tmp_path / "disk", options, [sys.executable, "-m", "jaxoffload.export",
+                                            str(exported_run), str(tmp_path / "disk/hf")]),
       capture_output=True, text=True, timeout=300, check=False)
   assert done.returncode == 2, done.stderr[-2000:]
-  assert done.stderr == f"error: '{tmp_path}/disk/hf' cannot be written: No space left on device\n"
-  assert listed(done.stdout) == []
-
-
-@pytest.mark.slow
-def test_export_onto_a_read_only_disk_exits_2_with_one_line(tmp_path, exported_run):
-  (tmp_path / "disk").mkdir()
-  done = subprocess.run(
-      on_tmpfs(tmp_path / "disk", "ro", [sys.executable, "-m", "jaxoffload.export",
-                                         str(exported_run), str(tmp_path / "disk/hf")]),
-      capture_output=True, text=True, timeout=300, check=False)
-  assert done.returncode == 2, done.stderr[-2000:]
-  assert done.stderr == f"error: '{tmp_path}/disk/hf' cannot be written: Read-only file system\n"
+  assert done.stderr == f"error: '{tmp_path}/disk/hf' cannot be written: {reason}\n"
   assert listed(done.stdout) == []
 
 
