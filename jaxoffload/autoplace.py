@@ -31,6 +31,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
+from jaxoffload import host_adam
 from jaxoffload._compat import DEVICE_KIND, PINNED_HOST
 
 _PROBE_BYTES = 256 * 2**20
@@ -135,7 +136,6 @@ def _measure(device: jax.Device, formats: KernelFormats) -> Machine:
   device_to_host = probe_bytes / best_seconds(up)
   if importlib.util.find_spec("numba") is None:
     return Machine(host_to_device, device_to_host, None, None)
-  from jaxoffload import host_adam
 
   *arrays, remainder = _kernel_arrays((probe_elements // _PROBE_ROW, _PROBE_ROW), formats)
   update = lambda: host_adam.adamw_update(*arrays, learning_rate=0.0, count=1,
@@ -151,8 +151,6 @@ def _kernel_arrays(shape: tuple[int, int], formats: KernelFormats) -> tuple:
   """``host_adam.adamw_update``'s weights, gradients, moments and remainder, stored as
   ``formats`` says. Filled, not zeros: untouched zero pages are all one page, which the
   kernel reads from cache, far faster than it reads a training step's gradients."""
-  from jaxoffload import host_adam
-
   filled = lambda dtype: np.full(shape, 0.5, dtype)
   bf16 = ml_dtypes.bfloat16
   grads = filled(bf16 if formats.grads == "bfloat16" else np.float32)
