@@ -24,7 +24,7 @@ import numpy as np
 import optax
 
 from common import median, metadata, time_steps, write_report
-from jaxoffload import host_adam, host_kernels
+from jaxoffload import host_adam, rounding
 
 # Compact formats: (the weights, the moments), with bfloat16 gradients.
 FORMATS = {"float32 master, float32 moments": ("float32", "float32"),
@@ -63,7 +63,7 @@ def format_rate(n: int, weights: str, moments: str, repeats: int) -> float:
   numba.set_num_threads(host_adam.max_threads())
   rng = np.random.default_rng(0)
   master = rng.standard_normal((n // 1024, 1024), dtype=np.float32)
-  high, remainder = host_kernels.split(master)
+  high, remainder = rounding.split_master(master)
   param = {"float32": master, "split": high.view(ml_dtypes.bfloat16),
            "bfloat16": master.astype(ml_dtypes.bfloat16)}[weights]
   if weights != "split":

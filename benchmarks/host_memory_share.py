@@ -31,7 +31,7 @@ import ml_dtypes
 import numpy as np
 
 from common import median, metadata, time_steps, write_report
-from jaxoffload import host_adam, host_kernels
+from jaxoffload import host_adam, rounding
 
 KERNEL_BYTES, STREAMED_BYTES = 26, 24
 PARTS = {"compute": (0, 0, 1), "host": (1, 0, 0), "stream": (0, 1, 0),
@@ -108,7 +108,7 @@ def main() -> None:
     results.append({"parts": name, "seconds": seconds, "host_bytes": moved,
                     "host_gb_per_s": moved / seconds / 1e9})
   assert {x.sharding.memory_kind for x in streamed[0]} == {"pinned_host"}
-  master = host_kernels.join(host[0]["param"][:1], host[0]["remainder"][:1])
+  master = rounding.join_master(host[0]["param"][:1], host[0]["remainder"][:1])
   assert master[0] != 1.0, "the kernel did not update"
 
   meta = metadata(sys.argv)

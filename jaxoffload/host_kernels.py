@@ -336,19 +336,3 @@ def sum_kernel(grad_is_bf16: bool, first: bool, square_sum: bool):
     return squares
 
   return accumulate
-
-
-def join(high: np.ndarray, remainder: np.ndarray) -> np.ndarray:
-  """The float32 master of a split weight: its bfloat16 half and its uint16 remainder."""
-  bits = (high.view(np.uint16).astype(np.uint32) << 16) | remainder.astype(np.uint32)
-  bits -= np.where(remainder >= 0x8000, np.uint32(0x10000), np.uint32(0))
-  return bits.view(np.float32)
-
-
-def split(master: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """A float32 master as its bfloat16 half (bits, uint16) and its uint16 remainder."""
-  master = np.ascontiguousarray(master, np.float32)
-  bits = master.view(np.uint32)
-  high = ((bits >> 16) + ((bits >> 15) & 1)).astype(np.uint16)
-  high = np.where(np.isnan(master), ((bits >> 16) & 0x8000 | 0x7FC0).astype(np.uint16), high)
-  return high, (bits & 0xFFFF).astype(np.uint16)

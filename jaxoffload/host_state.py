@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxoffload import blockwise, host_adam, host_arrays, host_kernels
+from jaxoffload import blockwise, host_adam, host_arrays, rounding
 from jaxoffload._compat import DEVICE_KIND, PINNED_HOST, to_device, to_host
 
 MOMENT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), blockwise.DTYPE)
@@ -142,7 +142,7 @@ class HostState:
       view, remainders = self.views[leaf][shard], self.remainders[leaf]
       if remainders is None:
         return view[rows].astype(np.float32)
-      return host_kernels.join(view[rows], remainders[shard][rows])
+      return rounding.join_master(view[rows], remainders[shard][rows])
     moment = getattr(self, name)[leaf][shard]
     if isinstance(moment, host_adam.CodedMoment):
       whole = moment.codes.ndim < 2

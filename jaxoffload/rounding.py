@@ -1,4 +1,4 @@
-"""Stochastic rounding of float32 to bfloat16, for optimizer state and parameters kept in bfloat16.
+"""Float32 to bfloat16: stochastic rounding for state kept in bfloat16, exact splits of masters.
 
 Adam's second moment decays by ``b2`` (0.999) each step: a relative change of
 0.1%, below bfloat16's half step (0.4%), so rounding to nearest leaves it where
@@ -9,6 +9,10 @@ The random bits are a hash of the value's own bits and a salt (the step),
 not a random key: the same function runs on the device, in host computation
 and in every streamed piece of a leaf without knowing where in the leaf it is,
 and a run is reproducible.
+
+A split master is kept exactly instead: ``split_master`` cuts a float32 master into the
+bfloat16 weight a device reads (rounded to nearest) and the 16 bits that restore it, and
+``join_master`` puts the two back together.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # Multipliers of the "lowbias32" integer hash (``jaxoffload.host_adam`` hashes as this does).
 HASH_MULTIPLIERS = (0x7FEB352D, 0x846CA68B)
@@ -81,3 +86,19 @@ def apply_updates(params: Any, updates: Any, salt: Any) -> Any:
     return stochastic_round(p.astype(jnp.float32) + u.astype(jnp.float32), salt)
 
   return jax.tree.map(apply, params, updates)
+
+
+def join_master(high: np.ndarray, remainder: np.ndarray) -> np.ndarray:
+  """The float32 master of a split weight: its bfloat16 half and its uint16 remainder."""
+  bits = (high.view(np.uint16).astype(np.uint32) << 16) | remainder.astype(np.uint32)
+  bits -= np.where(remainder >= 0x8000, np.uint32(0x10000), np.uint32(0))
+  return bits.view(np.float32)
+
+
+def split_master(master: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """A float32 master as its bfloat16 half (bits, uint16) and its uint16 remainder."""
+  master = np.ascontiguousarray(master, np.float32)
+  bits = master.view(np.uint32)
+  high = ((bits >> 16) + ((bits >> 15) & 1)).astype(np.uint16)
+  high = np.where(np.isnan(master), ((bits >> 16) & 0x8000 | 0x7FC0).astype(np.uint16), high)
+  return high, (bits & 0xFFFF).astype(np.uint16)

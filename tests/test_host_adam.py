@@ -11,7 +11,7 @@ import numpy as np
 import optax
 import pytest
 
-from jaxoffload import blockwise, host_adam, host_kernels, rounding
+from jaxoffload import blockwise, host_adam, rounding
 from tests import helpers
 
 HYPER = dict(b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
@@ -127,8 +127,8 @@ def test_split_weights_are_the_float32_master_exactly(problem):
   param, grads = problem
   # Ties, specials and the largest float: where a wrong split would show.
   param[0, :7] = [1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, -0.0, np.inf, np.nan, 3.0e38, -2.5e-3]
-  high, remainder = host_kernels.split(param)
-  np.testing.assert_array_equal(host_kernels.join(high, remainder).view(np.uint32)[1:],
+  high, remainder = rounding.split_master(param)
+  np.testing.assert_array_equal(rounding.join_master(high, remainder).view(np.uint32)[1:],
                                 param.view(np.uint32)[1:])
   # The bfloat16 half is the master rounded to nearest, ties away from zero.
   assert high.view(ml_dtypes.bfloat16)[0, :2].astype(np.float32).tolist() == [
@@ -146,8 +146,8 @@ def test_split_weights_are_the_float32_master_exactly(problem):
     host_adam.adamw_update(weights, grad, moments[2], moments[3], learning_rate=1e-2,
                            count=count, remainder=remainder, **HYPER)
   finite = np.isfinite(whole)
-  np.testing.assert_array_equal(host_kernels.join(weights, remainder)[finite], whole[finite])
-  np.testing.assert_array_equal(weights, host_kernels.split(whole)[0].view(ml_dtypes.bfloat16))
+  np.testing.assert_array_equal(rounding.join_master(weights, remainder)[finite], whole[finite])
+  np.testing.assert_array_equal(weights, rounding.split_master(whole)[0].view(ml_dtypes.bfloat16))
   with pytest.raises(ValueError, match="a remainder completes bfloat16 weights; param is float32"):
     host_adam.adamw_update(whole, grads[0], moments[0], moments[1], learning_rate=1e-2,
                            count=4, remainder=remainder)
