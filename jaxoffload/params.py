@@ -7,6 +7,8 @@ stacks, so runs with different groupings start from the same weights.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import re
 from typing import Any, Optional, Sequence
 
@@ -14,7 +16,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxoffload.model import Llama, group_name
+from jaxoffload.model import Llama, LlamaConfig, group_name
 from jaxoffload.remat import LayerGroup
 
 
@@ -31,6 +33,27 @@ def logical_param_specs(model: Llama, tokens: jax.Array) -> Any:
 def abstract_params(model: Llama, tokens: jax.Array) -> Any:
   """The parameters' shapes and dtypes (``jax.ShapeDtypeStruct``s), found without allocating them."""
   return nn.meta.unbox(_boxed_shapes(model, tokens))
+
+
+@functools.lru_cache(maxsize=64)
+def cut_param_shapes(model: LlamaConfig, layers: tuple[tuple[int, int], ...]
+                     ) -> tuple[Any, Any]:
+  """The parameters' shapes and logical specs with layer groups cut at ``layers``: traced
+  once per model and cut (a planner resolves many settings of one model).
+
+  Args:
+    model: the model's config.
+    layers: each layer group's (start, stop).
+
+  Returns:
+    ``abstract_params`` and ``logical_param_specs`` of that model.
+  """
+  # Parameters' shapes depend neither on the tokens nor on the attention's implementation:
+  # shapes and a named one, which start no backend.
+  model = dataclasses.replace(model, attention_implementation="xla")
+  llama = Llama(model, tuple(LayerGroup(start, stop, None) for start, stop in layers))
+  probe = jax.ShapeDtypeStruct((1, 2), jnp.int32)
+  return abstract_params(llama, probe), logical_param_specs(llama, probe)
 
 
 def init_params(model: Llama, key: jax.Array, tokens: jax.Array, shardings: Any = None,

@@ -42,13 +42,17 @@ def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1,
   """A (data, fsdp, tensor) mesh over the first ``data * fsdp * tensor`` devices.
 
   Raises:
-    ValueError: if there are fewer devices than the mesh needs.
+    ValueError: if there are fewer devices than the mesh needs, or, across several
+      processes, more than it uses (the first would all be one process's).
   """
   devices = list(devices if devices is not None else jax.devices())
   size = data * fsdp * tensor
   if size > len(devices):
     raise ValueError(f"mesh data={data} x fsdp={fsdp} x tensor={tensor} needs {size} devices, "
                      f"{len(devices)} are present")
+  if jax.process_count() > 1 and size != len(devices):
+    raise ValueError(f"mesh data={data} x fsdp={fsdp} x tensor={tensor} must use all "
+                     f"{len(devices)} devices of the {jax.process_count()} processes")
   return Mesh(np.array(devices[:size]).reshape(data, fsdp, tensor), MESH_AXES)
 
 

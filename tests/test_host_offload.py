@@ -14,7 +14,7 @@ from jaxoffload import host_arrays, host_offload
 from jaxoffload._compat import to_device, to_host
 from jaxoffload.host_offload import HostAdamW
 from jaxoffload.train import load_config
-from jaxoffload.train.resolve import learning_rate
+from jaxoffload.train.schedule import learning_rate
 from tests.helpers import max_rel_diff
 
 HYPER = dict(b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)

@@ -24,17 +24,14 @@ import re
 import shutil
 from typing import Any, Callable, Iterator, Optional
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxoffload.memory import size
 from jaxoffload.model import LlamaConfig
 from jaxoffload.train import checkpoint_dir, host_checkpoint, reader, rules
 from jaxoffload.train.config import Config, ConfigError
 from jaxoffload.train.loading import RUN_FIELDS, config_from_dict
-from jaxoffload.train.resolve import Setup, learning_rate
+from jaxoffload.train.resolve import Setup
+from jaxoffload.train.schedule import learning_rate
 from jaxoffload.train.step import STATE_ITEMS, Moments, Trainer
 
 

@@ -14,8 +14,8 @@ import jax
 import jaxoffload
 from jaxoffload.memory import host_rss_bytes
 from jaxoffload.train import checkpoints as ckpt
-from jaxoffload.train import (advice, checkpoint_dir, device_memory, host_memory, launch, metrics,
-                              stopping, weights)
+from jaxoffload.train import (advice, checkpoint_dir, device_memory, fit, host_memory, launch,
+                              metrics, stopping, weights)
 from jaxoffload.train.config import Config
 from jaxoffload.train.resolve import Setup, resolve
 from jaxoffload.train.step import Trainer
@@ -77,7 +77,10 @@ def run(config: Config, *, log: Log = print, stop_after_step: Optional[int] = No
     log = lambda _: None
   # Before resolve: an auto offload fraction compiles steps to pick one.
   advice.check_backend(config, jax.default_backend())
-  setup = resolve(config)
+  chosen = []
+  if config.optimizer.optimizer_offload_fraction == "auto":
+    config = fit.fastest_offload(config, log=chosen.append)
+  setup = resolve(config, choices=chosen)
   config = setup.config
   # Before anything is allocated or compiled.
   need = host_memory.check(setup)

@@ -10,9 +10,8 @@ a ``Setup`` and derive nothing from the config again.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib.util
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -20,10 +19,11 @@ import optax
 
 from jaxoffload import sharding
 from jaxoffload.model import Llama, LlamaConfig, compute_dtypes, group_name
-from jaxoffload.params import abstract_params, logical_param_specs
+from jaxoffload.params import cut_param_shapes
 from jaxoffload.placement import OffloadPlan, leaf_path, plan_offload
 from jaxoffload.remat import LayerGroup
 from jaxoffload.train import data, rules
+from jaxoffload.train.schedule import learning_rate
 from jaxoffload.train.config import Config, ConfigError
 from jaxoffload.train.update_place import candidate_places, resolve_update_place
 
@@ -187,7 +187,7 @@ class Setup:
                                         lambda index: tokens[index])
 
 
-def resolve(config: Config, *, with_data: bool = True) -> Setup:
+def resolve(config: Config, *, with_data: bool = True, choices: Sequence[str] = ()) -> Setup:
   """Everything a run of ``config`` needs (``config`` checked by ``load_config``).
 
   Args:
@@ -195,16 +195,18 @@ def resolve(config: Config, *, with_data: bool = True) -> Setup:
     with_data: read or make the run's batches; False for a setup that only compiles and
       sizes its step (``Setup.batch_shape``), as the planner's many do: a text corpus is
       then not read again for each.
+    choices: what the planner chose for ``config`` (``fit.fastest_offload``'s lines),
+      shown before this machine's own choices.
 
   Raises:
     ConfigError: for what depends on this machine or the files named: a mesh
       that does not use every device of several processes, an unreadable text
       file, the host kernel without numba.
   """
-  choices = []
   if config.optimizer.optimizer_offload_fraction == "auto":
-    from jaxoffload.train.fit import fastest_offload  # Which resolves settings itself.
-    config = fastest_offload(config, log=choices.append)
+    raise ValueError("optimizer_offload_fraction=auto is the planner's to pick "
+                     "(fit.fastest_offload): resolve the config it returns")
+  choices = list(choices)
   offload = _offload_plan(config)
   config, choice = resolve_update_place(config, offload)
   if choice is not None:
@@ -254,7 +256,7 @@ def _offload_plan(config: Config) -> Optional[OffloadPlan]:
   o = config.optimizer
   if not o.optimizer_cpu_offload:
     return None
-  shapes, _ = _param_shapes(config.model.llama(), _layer_ranges(config))
+  shapes, _ = cut_param_shapes(config.model.llama(), _layer_ranges(config))
   # Leaves whose weights live in pinned_host already go first: their update then stays
   # beside them, where the device's would bring the whole group over and back.
   host_groups = tuple(group_name(g) + "/" for g in rules.layer_groups(config)
@@ -268,7 +270,7 @@ def _placed(config: Config, offload: Optional[OffloadPlan], mesh: Any,
   """The ``Setup`` of a config whose placements are decided, over ``mesh``."""
   groups = rules.layer_groups(config)
   model = config.model.llama()
-  shapes, specs = _param_shapes(model, _layer_ranges(config))
+  shapes, specs = cut_param_shapes(model, _layer_ranges(config))
   shardings = sharding.logical_shardings(mesh, specs)
   host_groups = {group_name(g) for g in groups if g.offload_weights}
   fetched = jax.tree_util.tree_map_with_path(
@@ -337,36 +339,9 @@ def _fetching_host_leaves(groups: tuple[LayerGroup, ...], in_host: Any
   return groups, fetched
 
 
-@functools.lru_cache(maxsize=64)
-def _param_shapes(model: LlamaConfig, layers: tuple[tuple[int, int], ...]) -> tuple[Any, Any]:
-  """The parameters' shapes and logical specs for layer groups cut at ``layers``: traced
-  once per model and cut (a planner resolves many settings of one model)."""
-  # Parameters' shapes depend neither on the tokens nor on the attention's implementation:
-  # shapes and a named one, which start no backend.
-  model = dataclasses.replace(model, attention_implementation="xla")
-  llama = Llama(model, tuple(LayerGroup(start, stop, None) for start, stop in layers))
-  probe = jax.ShapeDtypeStruct((1, 2), jnp.int32)
-  return abstract_params(llama, probe), logical_param_specs(llama, probe)
-
-
-def learning_rate(config: Config) -> optax.Schedule:
-  """Linear warm-up to ``optimizer.lr``, then the configured decay to ``min_lr``."""
-  o, iters = config.optimizer, config.train.train_iters
-  warmup = min(o.lr_warmup_iters, iters)
-  decay = {"constant": optax.constant_schedule(o.lr),
-           "linear": optax.linear_schedule(o.lr, o.min_lr, max(iters - warmup, 1)),
-           "cosine": optax.cosine_decay_schedule(o.lr, max(iters - warmup, 1), o.min_lr / o.lr)}
-  return optax.join_schedules([optax.linear_schedule(0.0, o.lr, warmup),
-                               decay[o.lr_decay_style]], [warmup])
-
-
 def _mesh(config: Config) -> jax.sharding.Mesh:
   m = config.mesh
   try:
-    mesh = sharding.make_mesh(m.data, m.fsdp, m.tensor)
+    return sharding.make_mesh(m.data, m.fsdp, m.tensor)
   except ValueError as error:
     raise ConfigError(str(error)) from None
-  if jax.process_count() > 1 and mesh.size != jax.device_count():
-    raise ConfigError(f"mesh data={m.data} x fsdp={m.fsdp} x tensor={m.tensor} must use all "
-                      f"{jax.device_count()} devices of the {jax.process_count()} processes")
-  return mesh
