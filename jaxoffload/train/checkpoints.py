@@ -28,6 +28,7 @@ import orbax.checkpoint as ocp
 
 from jaxoffload.model import LlamaConfig
 from jaxoffload.train import checkpoint_dir, host_checkpoint, reader, rules
+from jaxoffload.train.checkpoint_meta import read_meta
 from jaxoffload.train.config import Config, ConfigError
 from jaxoffload.train.loading import RUN_FIELDS, config_from_dict
 from jaxoffload.train.resolve import Setup
@@ -246,29 +247,3 @@ def _not_resumable(meta: dict[str, Any], step_dir: str) -> Optional[str]:
 def _reason(error: Exception) -> str:
   text = str(error).strip()
   return type(error).__name__ + (f": {text.splitlines()[0][:200]}" if text else "")
-
-
-def locate(path: str) -> tuple[ocp.CheckpointManager, int]:
-  """The manager and step of ``path``: a checkpoint directory (its newest step) or a step in one.
-
-  Raises:
-    ConfigError: naming the path, when it holds no checkpoint.
-  """
-  path = os.path.abspath(path)
-  parent, name = os.path.split(path)
-  if name.isdigit() and os.path.isdir(path):
-    return ocp.CheckpointManager(parent), int(name)
-  if not os.path.isdir(path):
-    raise ConfigError(f"checkpoint {path!r} is not a directory")
-  checkpoints = ocp.CheckpointManager(path)
-  step = checkpoints.latest_step()
-  if step is None:
-    raise ConfigError(f"{path!r} holds no checkpoint")
-  return checkpoints, step
-
-
-def read_meta(checkpoints: ocp.CheckpointManager, step: int) -> dict[str, Any]:
-  """The ``meta`` item of a step: ``{"step": ..., "config": {...}}``."""
-  return checkpoints.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-
-

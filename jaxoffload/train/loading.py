@@ -18,7 +18,7 @@ import yaml
 
 from jaxoffload.hf_config import CheckpointError, read_config
 from jaxoffload.model import LlamaConfig
-from jaxoffload.train import rules
+from jaxoffload.train import checkpoint_meta, rules
 from jaxoffload.train.config import Config, ConfigError
 
 # LlamaConfig fields a checkpoint does not decide: how the run computes, and on what.
@@ -71,9 +71,7 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Co
       raise ConfigError(str(error)) from None
     config = _with_shape_of(config, source, f"{config.model.hf_checkpoint}/config.json", given)
   elif config.checkpoint.init_from is not None:
-    from jaxoffload.train import checkpoints  # Reads orbax checkpoints: only when asked.
-
-    meta = checkpoints.read_meta(*checkpoints.locate(config.checkpoint.init_from))
+    meta = checkpoint_meta.read_meta(*checkpoint_meta.locate(config.checkpoint.init_from))
     source = config_from_dict(meta["config"]).model.llama()
     config = _with_shape_of(config, source, f"the run in {config.checkpoint.init_from}", given)
   rules.check(config)

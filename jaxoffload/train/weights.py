@@ -18,7 +18,7 @@ from jaxoffload.hf_config import CheckpointError
 from jaxoffload.model import Llama
 from jaxoffload.params import abstract_params
 from jaxoffload.train import checkpoints as ckpt
-from jaxoffload.train import reader, rules
+from jaxoffload.train import checkpoint_meta, reader, rules
 from jaxoffload.train.config import ConfigError
 from jaxoffload.train.loading import config_from_dict
 from jaxoffload.train.resolve import Setup
@@ -56,8 +56,8 @@ def targets(shapes: Any, shardings: Any) -> Any:
 def run_params(path: str) -> tuple[Any, Any]:
   """Another run's checkpoint: its config, and its parameters in its own layer grouping, read
   onto the CPU."""
-  checkpoints, step = ckpt.locate(path)
-  config = config_from_dict(ckpt.read_meta(checkpoints, step)["config"])
+  checkpoints, step = checkpoint_meta.locate(path)
+  config = config_from_dict(checkpoint_meta.read_meta(checkpoints, step)["config"])
   shapes = abstract_params(Llama(config.model.llama(), rules.layer_groups(config)),
                            jnp.zeros((1, 2), jnp.int32))
   cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
@@ -83,7 +83,7 @@ def staging_bytes(setup: Setup) -> int:
 def from_run(setup: Setup, path: str) -> Any:
   """The parameters of the run checkpointed in ``path``, in ``setup``'s grouping, dtypes and
   placements (``load_config`` gave ``setup`` that run's model shape)."""
-  checkpoints, step = ckpt.locate(path)
-  theirs = config_from_dict(ckpt.read_meta(checkpoints, step)["config"])
+  checkpoints, step = checkpoint_meta.locate(path)
+  theirs = config_from_dict(checkpoint_meta.read_meta(checkpoints, step)["config"])
   return reader.read_tree(checkpoints, step, "params", ckpt.layer_ranges(theirs),
                           targets(setup.param_shapes, setup.initial_param_shardings))
