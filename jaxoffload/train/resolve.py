@@ -23,8 +23,8 @@ from jaxoffload.params import cut_param_shapes
 from jaxoffload.placement import OffloadPlan, leaf_path, plan_offload
 from jaxoffload.remat import LayerGroup
 from jaxoffload.train import data, rules
-from jaxoffload.train.schedule import learning_rate
 from jaxoffload.train.config import Config, ConfigError
+from jaxoffload.train.schedule import learning_rate
 from jaxoffload.train.update_place import candidate_places, resolve_update_place
 
 
@@ -202,6 +202,7 @@ def resolve(config: Config, *, with_data: bool = True, choices: Sequence[str] = 
     ConfigError: for what depends on this machine or the files named: a mesh
       that does not use every device of several processes, an unreadable text
       file, the host kernel without numba.
+    ValueError: for ``optimizer_offload_fraction=auto``, which the planner picks first.
   """
   if config.optimizer.optimizer_offload_fraction == "auto":
     raise ValueError("optimizer_offload_fraction=auto is the planner's to pick "
