@@ -30,7 +30,7 @@ SIZES = {
 
 def default_modes(num_layers: int) -> str:
   """Megatron's two settings of interest (half, all but two) and every preset on every layer."""
-  from jaxoffload import remat
+  from jaxoffload.nn import remat
 
   modes = (["save", "recompute", f"offload:{num_layers // 2}:all",
                    f"offload:{num_layers - 2}:all"]
@@ -40,7 +40,7 @@ def default_modes(num_layers: int) -> str:
 
 def groups_for(mode: str, num_layers: int):
   """The layer groups of a mode; ``offload:all:PRESET`` offloads every layer."""
-  from jaxoffload import remat
+  from jaxoffload.nn import remat
 
   if mode == "save":
     return remat.layer_groups(num_layers)
@@ -58,8 +58,8 @@ def measure(mode: str, size: str, batch: int, seq: int, steps: int) -> dict:
 
   import jaxoffload
   from jaxoffload.memory import offloaded_activation_bytes
-  from jaxoffload.model import Llama, LlamaConfig, next_token_loss
-  from jaxoffload.params import init_params, regroup
+  from jaxoffload.nn.model import Llama, LlamaConfig, next_token_loss
+  from jaxoffload.nn.params import init_params, regroup
 
   config = LlamaConfig(**SIZES[size], seq_length=seq, dtype="bfloat16")
   groups = groups_for(mode, config.num_layers)

@@ -19,7 +19,7 @@ layer's weights. The weights come over either
 A layer's new weights, made on the device after its compute, go back either
 
 - ``program``: a jitted program that writes the layer into the pinned stack,
-  donated, in place (as ``train.offloaded_layers`` writes a weight-offloaded
+  donated, in place (as ``train.per_layer.offloaded_layers`` writes a weight-offloaded
   group updated a layer at a time): a program, so it runs in turn with the
   compute; or
 - ``device_put``: ``jax.device_put`` to a pinned array of its own, the
@@ -42,10 +42,10 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from common import median, metadata, time_steps, write_report
-from jaxoffload.host_adam import writable_view
-from jaxoffload.tensor_files import copy_blocks
+
+from jaxoffload.hf.tensor_files import copy_blocks
+from jaxoffload.host.adam import writable_view
 
 
 def main() -> None:

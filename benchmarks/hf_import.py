@@ -7,7 +7,7 @@ Writes a checkpoint of the shape with random bfloat16 weights, sharded as
 ``save_pretrained`` shards it, in a first process; then, in a fresh one, the
 trainer imports it (``model.hf_checkpoint``) straight into the config's
 placements, trains the steps with its offload settings, and exports the
-weights with ``jaxoffload.hf.save_checkpoint``. Reports the import's seconds
+weights with ``jaxoffload.hf.checkpoint.save_checkpoint``. Reports the import's seconds
 and the process's peak host RSS after it against the checkpoint's bytes and
 the offloaded state's, each step's time, and the export's seconds.
 """
@@ -43,8 +43,9 @@ def make(shape: str, directory: str) -> dict:
   import numpy as np
   from safetensors.numpy import save_file
 
-  from jaxoffload import hf
-  from jaxoffload.hf_config import read_config
+  from jaxoffload.hf.checkpoint import (INDEX_FILE, MAX_SHARD_BYTES,
+                                        tensor_shapes)
+  from jaxoffload.hf.config import read_config
 
   os.makedirs(directory, exist_ok=True)
   with open(os.path.join(directory, "config.json"), "w") as f:
@@ -53,10 +54,10 @@ def make(shape: str, directory: str) -> dict:
   pool = (0.02 * np.random.default_rng(0).standard_normal(2**26, np.float32)).astype(
       ml_dtypes.bfloat16)
   start, shards, shard, size, total = time.perf_counter(), [], {}, 0, 0
-  for i, (name, tensor_shape) in enumerate(hf.tensor_shapes(read_config(directory)).items()):
+  for i, (name, tensor_shape) in enumerate(tensor_shapes(read_config(directory)).items()):
     # A copy: np.resize returns a view of a larger array, which the shard would keep alive.
     tensor = np.resize(np.roll(pool, i), tensor_shape).copy()
-    if size and size + tensor.nbytes > hf.MAX_SHARD_BYTES:
+    if size and size + tensor.nbytes > MAX_SHARD_BYTES:
       shards.append(shard)
       shard, size = {}, 0
     shard[name], size, total = tensor, size + tensor.nbytes, total + tensor.nbytes
@@ -66,7 +67,7 @@ def make(shape: str, directory: str) -> dict:
     file = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
     save_file(tensors, os.path.join(directory, file), metadata={"format": "pt"})
     weight_map.update({name: file for name in tensors})
-  with open(os.path.join(directory, hf.INDEX_FILE), "w") as f:
+  with open(os.path.join(directory, INDEX_FILE), "w") as f:
     json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
   return {"checkpoint_bytes": total, "make_s": time.perf_counter() - start}
 
@@ -79,7 +80,8 @@ def stage(name: str) -> None:
   ended) and in the result."""
   import jax
 
-  from jaxoffload.memory import bytes_by_memory_kind, host_rss_bytes, peak_host_rss_bytes
+  from jaxoffload.memory import (bytes_by_memory_kind, host_rss_bytes,
+                                 peak_host_rss_bytes)
 
   pinned = bytes_by_memory_kind(jax.live_arrays()).get("pinned_host", 0)
   with open("/proc/self/status") as f:  # Anonymous, file-backed (mapped checkpoints), shared.
@@ -97,7 +99,8 @@ def fine_tune(directory: str, config_path: str, overrides: list[str], export_dir
   import jaxoffload
   from jaxoffload import hf
   from jaxoffload.memory import host_rss_bytes, peak_host_rss_bytes
-  from jaxoffload.train import host_memory, launch, load_config, resolve, Trainer, weights
+  from jaxoffload.train import (Trainer, host_memory, launch, load_config,
+                                resolve, weights)
 
   config = load_config(config_path, [f"model.hf_checkpoint={directory}", *overrides])
   launch.size_pinned_pool(config)  # As the trainer's command does, before JAX starts.

@@ -7,7 +7,7 @@ place; reports the median of ``--repeats`` steps as G params/s: float32 state
 on 1 to all threads, then each compact format the trainer offers on all of
 them (bfloat16 gradients; a split float32 master, bfloat16 weights; bfloat16
 or 8-bit moments), then optax under jax.jit on the CPU. The kernel works on JAX
-pinned_host buffers when a GPU is present (through ``host_adam.writable_view``),
+pinned_host buffers when a GPU is present (through ``host.adam.writable_view``),
 else on numpy arrays.
 """
 
@@ -22,9 +22,10 @@ import ml_dtypes
 import numba
 import numpy as np
 import optax
-
 from common import median, metadata, time_steps, write_report
-from jaxoffload import host_adam, rounding
+
+from jaxoffload import rounding
+from jaxoffload.host import adam
 
 # Compact formats: (the weights, the moments), with bfloat16 gradients.
 FORMATS = {"float32 master, float32 moments": ("float32", "float32"),
@@ -44,14 +45,14 @@ def host_arrays(n: int, count: int) -> tuple[list, list[np.ndarray]]:
     return arrays, arrays
   host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
   owners = jax.block_until_ready([jax.device_put(a, host) for a in arrays])
-  return owners, [host_adam.writable_view(a) for a in owners]
+  return owners, [adam.writable_view(a) for a in owners]
 
 
 def kernel_rate(n: int, threads: int, repeats: int) -> float:
   numba.set_num_threads(threads)
   owners, (param, grad, mu, nu) = host_arrays(n, 4)
   counter = iter(range(1, repeats + 2))
-  update = lambda: host_adam.adamw_update(param, grad, mu, nu, learning_rate=1e-4,
+  update = lambda: adam.adamw_update(param, grad, mu, nu, learning_rate=1e-4,
                                           count=next(counter), weight_decay=0.1)
   rate = n / median(time_steps(update, repeats)) / 1e9
   jax.block_until_ready(owners)  # Holds the memory until the views are done with.
@@ -60,7 +61,7 @@ def kernel_rate(n: int, threads: int, repeats: int) -> float:
 
 def format_rate(n: int, weights: str, moments: str, repeats: int) -> float:
   """The kernel's rate on all threads with weights and moments stored so."""
-  numba.set_num_threads(host_adam.max_threads())
+  numba.set_num_threads(adam.max_threads())
   rng = np.random.default_rng(0)
   master = rng.standard_normal((n // 1024, 1024), dtype=np.float32)
   high, remainder = rounding.split_master(master)
@@ -69,11 +70,11 @@ def format_rate(n: int, weights: str, moments: str, repeats: int) -> float:
   if weights != "split":
     remainder = None
   grad = (0.01 * master).astype(ml_dtypes.bfloat16)
-  moment = lambda signed: (host_adam.CodedMoment.zeros(master.shape, signed=signed)
+  moment = lambda signed: (adam.CodedMoment.zeros(master.shape, signed=signed)
                            if moments == "int8" else np.zeros(master.shape, moments))
   mu, nu = moment(True), moment(False)
   counter = iter(range(1, repeats + 2))
-  update = lambda: host_adam.adamw_update(param, grad, mu, nu, learning_rate=1e-4,
+  update = lambda: adam.adamw_update(param, grad, mu, nu, learning_rate=1e-4,
                                           count=next(counter), weight_decay=0.1,
                                           remainder=remainder)
   return master.size / median(time_steps(update, repeats)) / 1e9
@@ -108,7 +109,7 @@ def main() -> None:
   parser.add_argument("--out", default="benchmarks/runs/host_adam")
   args = parser.parse_args()
   n = args.params * 10**6
-  most = host_adam.max_threads()
+  most = adam.max_threads()
   counts = sorted({1, 2, 4, 8, most} & set(range(1, most + 1)))
   results = [{"method": f"numba kernel, {t} threads", "g_params_per_s": kernel_rate(n, t, args.repeats)}
              for t in counts]

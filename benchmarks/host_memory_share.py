@@ -2,7 +2,7 @@
 
   PYTHONPATH=. python3 benchmarks/host_memory_share.py --host 25 --stream 25 --out OUT/share
 
-The host kernel (``jaxoffload.host_adam``) reads and writes the weights (a
+The host kernel (``jaxoffload.host.adam``) reads and writes the weights (a
 split float32 master) and float32 moments in host memory; the ``device`` placement streams the same bytes
 through the link and updates them on the device. Both read host memory, so
 splitting the offloaded leaves between them pays only if host memory serves
@@ -29,9 +29,10 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-
 from common import median, metadata, time_steps, write_report
-from jaxoffload import host_adam, rounding
+
+from jaxoffload import rounding
+from jaxoffload.host import adam
 
 KERNEL_BYTES, STREAMED_BYTES = 26, 24
 PARTS = {"compute": (0, 0, 1), "host": (1, 0, 0), "stream": (0, 1, 0),
@@ -95,7 +96,7 @@ def main() -> None:
         streamed[l] = jax.device_put(list(device_adamw(*incoming.pop(l), grads[l])), pinned)
       if kernel:
         h = host[l]
-        host_adam.adamw_update(h["param"], h["grad"], h["mu"], h["nu"], learning_rate=1e-4,
+        adam.adamw_update(h["param"], h["grad"], h["mu"], h["nu"], learning_rate=1e-4,
                                count=1, remainder=h["remainder"])
       if compute:
         out = layer_compute(a)
@@ -115,7 +116,7 @@ def main() -> None:
   lines = [f"# Host kernel and device streaming sharing host memory: {args.host:g} M + "
            f"{args.stream:g} M elements a layer, {args.layers} layers", "",
            f"Device: {meta['device']}; JAX {meta['jax']}; {meta['date']}; "
-           f"{host_adam.max_threads()} kernel threads.", f"Command: `{meta['command']}`", "",
+           f"{adam.max_threads()} kernel threads.", f"Command: `{meta['command']}`", "",
            "| parts | median (ms) | host GB/s |", "|---|---|---|"]
   lines += [f"| {r['parts']} | {1e3 * r['seconds']:.1f} | {r['host_gb_per_s']:.0f} |"
             for r in results]

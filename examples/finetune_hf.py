@@ -15,7 +15,7 @@ import os
 import sys
 import tempfile
 
-from jaxoffload.export import export
+from jaxoffload.train.export import export
 from jaxoffload.train import load_config, run
 
 TINY = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "tiny_llama")

@@ -1,11 +1,16 @@
 """jaxoffload: train JAX models larger than device memory by keeping training state in host memory."""
 
-from jaxoffload.adam import ScaleByOffloadedAdamState, offload_adamw, scale_by_offloaded_adam
-from jaxoffload.host_offload import HostAdamW
+from jaxoffload.host.host_adamw import HostAdamW
 from jaxoffload.memory import bytes_by_memory_kind, peak_device_bytes
-from jaxoffload.placement import OffloadPlan, find_offload_plan, plan_offload
-from jaxoffload.remat import (ACTIVATION_NAMES, OFFLOAD_PRESETS, LayerGroup, Placement,
-                              layer_groups, megatron_layer_groups, offload_preset, remat_policy)
+from jaxoffload.nn.remat import (ACTIVATION_NAMES, OFFLOAD_PRESETS, LayerGroup,
+                                 Placement, layer_groups,
+                                 megatron_layer_groups, offload_preset,
+                                 remat_policy)
+from jaxoffload.optim.offload_plan import (OffloadPlan, find_offload_plan,
+                                           plan_offload)
+from jaxoffload.optim.offloaded_adam import (ScaleByOffloadedAdamState,
+                                             offload_adamw,
+                                             scale_by_offloaded_adam)
 from jaxoffload.rounding import stochastic_round
 
 __all__ = [

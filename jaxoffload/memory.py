@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxoffload._compat import memory_kind
-from jaxoffload.model import LlamaConfig
-from jaxoffload.remat import LayerGroup
+from jaxoffload.nn.model import LlamaConfig
+from jaxoffload.nn.remat import LayerGroup
 
 SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}

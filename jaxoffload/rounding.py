@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# Multipliers of the "lowbias32" integer hash (``jaxoffload.host_adam`` hashes as this does).
+# Multipliers of the "lowbias32" integer hash (``jaxoffload.host.adam`` hashes as this does).
 HASH_MULTIPLIERS = (0x7FEB352D, 0x846CA68B)
 # Spreads consecutive salts (steps) over the hash's input.
 GOLDEN = 0x9E3779B9

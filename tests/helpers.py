@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxoffload.train import claims
+from jaxoffload.train.checkpoints import claims
 
 # The trainer's overrides for half the optimizer state on the host kernel.
 HOST_KERNEL = ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=0.5",
@@ -40,7 +40,7 @@ def listed(stdout: str) -> list[str]:
 
 def checkpoint_entries(directory) -> list[str]:
   """The names in a checkpoint directory that runs have let go of, sorted: its claim file
-  (``train.claims``), asserted there and empty (let go), left out."""
+  (``train.checkpoints.claims``), asserted there and empty (let go), left out."""
   with open(os.path.join(directory, claims.FILE), "rb") as claim:
     assert claim.read() == b"", "a run still claims the directory, or died holding it"
   return sorted(name for name in os.listdir(directory) if name != claims.FILE)

@@ -7,11 +7,11 @@ bytes plus a fixed temporary (``compiled_as_resident``).
 
 import pytest
 
-from jaxoffload import autoplace
-from jaxoffload.train import step_time
+from jaxoffload.host import pricing
+from jaxoffload.plan import step_time
 from jaxoffload.train.step import CompiledStep, Trainer, resident_device_bytes
 
-MACHINE = autoplace.Machine(host_to_device=50e9, device_to_host=50e9, kernel_rate=5e9,
+MACHINE = pricing.Machine(host_to_device=50e9, device_to_host=50e9, kernel_rate=5e9,
                             kernel_threads=16, sum_rate=10e9)
 # Recomputing costs more than saving, and more in full than in part; offloading q/k/v costs
 # more still.

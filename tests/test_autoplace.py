@@ -7,18 +7,18 @@ import jax
 import numpy as np
 import pytest
 
-from jaxoffload import autoplace
+from jaxoffload.host import pricing
 from jaxoffload.train import load_config, metrics, resolve, train
-from jaxoffload.train.update_place import forward_seconds, price_updates
+from jaxoffload.train.offload_choice import forward_seconds, price_updates
 
 # A machine like the H200's (docs/performance.md): 54 GB/s each way, the host
 # kernel at 4.4 G params/s on 16 threads.
-H200 = autoplace.Machine(host_to_device=54e9, device_to_host=54e9, kernel_rate=4.4e9,
+H200 = pricing.Machine(host_to_device=54e9, device_to_host=54e9, kernel_rate=4.4e9,
                          kernel_threads=16)
 
 
 def test_costs_are_the_copies_and_the_host_work_of_each_placement():
-  choice = autoplace.choose(H200, offloaded_elements=527_000_000, moment_bytes_per_element=8,
+  choice = pricing.choose(H200, offloaded_elements=527_000_000, moment_bytes_per_element=8,
                             transfer_bytes_per_element=4)
   # Device: both moments down and up. Host kernel: weights down, gradients up,
   # then the kernel.
@@ -28,9 +28,9 @@ def test_costs_are_the_copies_and_the_host_work_of_each_placement():
 
 
 def test_weights_read_in_float32_cost_their_bytes_on_the_way_up_only():
-  slow_up = autoplace.Machine(host_to_device=20e9, device_to_host=50e9, kernel_rate=4.4e9,
+  slow_up = pricing.Machine(host_to_device=20e9, device_to_host=50e9, kernel_rate=4.4e9,
                               kernel_threads=16)
-  choice = autoplace.choose(slow_up, offloaded_elements=10**9, moment_bytes_per_element=8,
+  choice = pricing.choose(slow_up, offloaded_elements=10**9, moment_bytes_per_element=8,
                             transfer_bytes_per_element=2, weight_bytes_per_element=4)
   assert choice.predicted_s["host_kernel"] == pytest.approx(4e9 / 20e9 + 2e9 / 50e9 + 1e9 / 4.4e9)
 
@@ -38,16 +38,16 @@ def test_weights_read_in_float32_cost_their_bytes_on_the_way_up_only():
 def test_a_tie_goes_to_the_host_kernel_which_saves_the_weights_too():
   # Every leaf of a 1.1B model with bfloat16 transfers: +0.326 s streamed,
   # +0.331 s on the host kernel.
-  choice = autoplace.choose(H200, offloaded_elements=1_100_048_384, moment_bytes_per_element=8,
+  choice = pricing.choose(H200, offloaded_elements=1_100_048_384, moment_bytes_per_element=8,
                             transfer_bytes_per_element=2)
   assert choice.predicted_s["device"] < choice.predicted_s["host_kernel"]
   assert choice.place == "host_kernel"
 
 
 def test_a_slow_link_makes_the_host_kernel_the_faster():
-  slow = autoplace.Machine(host_to_device=10e9, device_to_host=10e9, kernel_rate=4.4e9,
+  slow = pricing.Machine(host_to_device=10e9, device_to_host=10e9, kernel_rate=4.4e9,
                            kernel_threads=16)
-  choice = autoplace.choose(slow, offloaded_elements=10**9, moment_bytes_per_element=8,
+  choice = pricing.choose(slow, offloaded_elements=10**9, moment_bytes_per_element=8,
                             transfer_bytes_per_element=2)
   assert choice.place == "host_kernel"
   assert str(choice).startswith("optimizer_offload_update_on=auto chose host_kernel: predicted "
@@ -55,7 +55,7 @@ def test_a_slow_link_makes_the_host_kernel_the_faster():
 
 
 def test_the_host_kernel_counts_every_local_shard():
-  one, four = (autoplace.choose(H200, offloaded_elements=10**8, moment_bytes_per_element=8,
+  one, four = (pricing.choose(H200, offloaded_elements=10**8, moment_bytes_per_element=8,
                                 transfer_bytes_per_element=4, local_elements=n * 10**8)
                for n in (1, 4))
   assert four.predicted_s["host_kernel"] - one.predicted_s["host_kernel"] == pytest.approx(
@@ -63,7 +63,7 @@ def test_the_host_kernel_counts_every_local_shard():
 
 
 def test_an_overlapped_host_kernel_adds_only_its_time_beyond_the_forward_pass():
-  priced = lambda overlap_s: autoplace.choose(
+  priced = lambda overlap_s: pricing.choose(
       H200, offloaded_elements=10**9, moment_bytes_per_element=8, transfer_bytes_per_element=2,
       overlap_s=overlap_s).predicted_s["host_kernel"]
   link = 2 * 10**9 * 2 / 54e9
@@ -77,7 +77,7 @@ def test_an_overlapped_host_kernel_adds_only_its_time_beyond_the_forward_pass():
 @pytest.mark.parametrize("transfer_bytes", [2, 4])
 def test_the_overlapped_host_kernel_is_chosen_at_every_fraction_of_the_1b(elements,
                                                                           transfer_bytes):
-  choice = autoplace.choose(H200, offloaded_elements=elements, moment_bytes_per_element=8,
+  choice = pricing.choose(H200, offloaded_elements=elements, moment_bytes_per_element=8,
                             transfer_bytes_per_element=transfer_bytes, overlap_s=0.09)
   assert choice.place == "host_kernel"
   assert choice.predicted_s["host_kernel"] < choice.predicted_s["device"]
@@ -115,10 +115,10 @@ def test_the_trainer_prices_the_overlap_where_it_overlaps(monkeypatch):
 
 @pytest.mark.parametrize("machine, host_kernel", [
     (H200, False),
-    (autoplace.Machine(54e9, 54e9, kernel_rate=None, kernel_threads=None), True),
+    (pricing.Machine(54e9, 54e9, kernel_rate=None, kernel_threads=None), True),
 ])
 def test_without_the_host_kernel_only_the_device_is_priced(machine, host_kernel):
-  choice = autoplace.choose(machine, offloaded_elements=10**9, moment_bytes_per_element=8,
+  choice = pricing.choose(machine, offloaded_elements=10**9, moment_bytes_per_element=8,
                             transfer_bytes_per_element=4, host_kernel=host_kernel)
   assert list(choice.predicted_s) == ["device"] and choice.place == "device"
   assert "no other candidate" in str(choice)
@@ -126,10 +126,10 @@ def test_without_the_host_kernel_only_the_device_is_priced(machine, host_kernel)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("formats", [
-    autoplace.KernelFormats(), autoplace.KernelFormats("bfloat16", "split", "int8", "int8"),
-    autoplace.KernelFormats("bfloat16", "bfloat16", "bfloat16", "float32")])
+    pricing.KernelFormats(), pricing.KernelFormats("bfloat16", "split", "int8", "int8"),
+    pricing.KernelFormats("bfloat16", "bfloat16", "bfloat16", "float32")])
 def test_measured_rates_are_finite_and_positive(formats):
-  machine = autoplace.measure_machine(formats=formats)
+  machine = pricing.measure_machine(formats=formats)
   for rate in (machine.host_to_device, machine.device_to_host, machine.kernel_rate):
     assert math.isfinite(rate) and rate > 0
   assert machine.kernel_threads >= 1 and machine.formats == formats
@@ -153,9 +153,9 @@ def test_the_trainer_shows_the_choice_and_trains_exactly():
 
 
 # The link slow and the kernel fast, or the other way round: each placement cheaper once.
-KERNEL_CHEAPER = autoplace.Machine(host_to_device=5e9, device_to_host=5e9, kernel_rate=1e12,
+KERNEL_CHEAPER = pricing.Machine(host_to_device=5e9, device_to_host=5e9, kernel_rate=1e12,
                                    kernel_threads=16)
-STREAM_CHEAPER = autoplace.Machine(host_to_device=1e12, device_to_host=1e12, kernel_rate=1e6,
+STREAM_CHEAPER = pricing.Machine(host_to_device=1e12, device_to_host=1e12, kernel_rate=1e6,
                                    kernel_threads=16)
 
 
@@ -164,7 +164,7 @@ STREAM_CHEAPER = autoplace.Machine(host_to_device=1e12, device_to_host=1e12, ker
 def test_by_default_the_placement_and_transfer_dtype_are_this_machines_fastest(
     monkeypatch, machine, place, wire):
   probed = []
-  monkeypatch.setattr(autoplace, "measure_machine",
+  monkeypatch.setattr(pricing, "measure_machine",
                       lambda formats: probed.append(formats) or machine)
   config = load_config(None, ["optimizer.optimizer_cpu_offload=True",
                               "optimizer.optimizer_offload_fraction=1.0", "model.dtype=bfloat16"])
@@ -176,9 +176,9 @@ def test_by_default_the_placement_and_transfer_dtype_are_this_machines_fastest(
   assert [line.split()[2] for line in setup.choices] == [f"{place}:"]
   # The kernel timed on what the run's host kernel would update: bfloat16 gradients, split
   # float32 masters, float32 moments.
-  assert probed == [autoplace.KernelFormats("bfloat16", "split", "float32", "float32")]
+  assert probed == [pricing.KernelFormats("bfloat16", "split", "float32", "float32")]
   # Without offload there is nothing to choose, and nothing measured.
-  monkeypatch.setattr(autoplace, "measure_machine", lambda **_: pytest.fail("measured"))
+  monkeypatch.setattr(pricing, "measure_machine", lambda **_: pytest.fail("measured"))
   plain = resolve(load_config(None, ["model.dtype=bfloat16"]))
   assert plain.choices == () and not plain.host_kernel
 

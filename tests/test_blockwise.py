@@ -4,7 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxoffload import blockwise, host_adam
+from jaxoffload.host import adam
+from jaxoffload.optim import blockwise
 
 
 def moments(shape, signed, seed=0):
@@ -45,7 +46,7 @@ def test_a_zero_block_and_a_leaf_of_one_row_decode_to_themselves():
 @pytest.mark.parametrize("signed", [True, False])
 def test_the_host_encodes_and_decodes_as_jax_does_and_a_round_trip_is_exact(signed):
   x = moments((4, 33, 40), signed, seed=1)  # A stack of 4 layers: a row each.
-  host = host_adam.CodedMoment.zeros(x.shape, signed=signed)
+  host = adam.CodedMoment.zeros(x.shape, signed=signed)
   host.assign(x)
   codes, scales = blockwise.encode(jnp.asarray(x), signed=signed)
   np.testing.assert_array_equal(host.codes, np.asarray(codes))
@@ -53,7 +54,7 @@ def test_the_host_encodes_and_decodes_as_jax_does_and_a_round_trip_is_exact(sign
   np.testing.assert_array_equal(host.decode(), np.asarray(blockwise.decode(codes, scales,
                                                                           signed=signed)))
   # A checkpoint holds the decoded float32 moments: read back, they encode to the same codes.
-  again = host_adam.CodedMoment.zeros(x.shape, signed=signed)
+  again = adam.CodedMoment.zeros(x.shape, signed=signed)
   again.assign(host.decode())
   np.testing.assert_array_equal(again.codes, host.codes)
   np.testing.assert_array_equal(again.scales, host.scales)

@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from jaxoffload.train import ConfigError, claims, load_config, train
+from jaxoffload.train import ConfigError, load_config, train
+from jaxoffload.train.checkpoints import claims
 from tests.helpers import QUIET, checkpoint_entries
 
 

@@ -5,10 +5,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxoffload
-from jaxoffload import blockwise, host_adam
+from jaxoffload.host import adam
+from jaxoffload.optim import blockwise
 from tests.helpers import float64_adamw, grads_at, train
 
 HYPER = dict(b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
@@ -62,11 +64,11 @@ def test_eight_bit_moments_update_as_the_host_kernel_updates_them(fraction):
   params = {"w": jax.random.normal(jax.random.PRNGKey(1), (16, 600))}
   got, state, _ = train(compact_adamw("int8", fraction), params, STEPS)
   weights = np.array(params["w"])
-  mu = host_adam.CodedMoment.zeros(weights.shape, signed=True)
-  nu = host_adam.CodedMoment.zeros(weights.shape, signed=False)
+  mu = adam.CodedMoment.zeros(weights.shape, signed=True)
+  nu = adam.CodedMoment.zeros(weights.shape, signed=False)
   for count in range(1, STEPS + 1):
     grad = np.asarray(grads_at(params, count - 1)["w"])
-    host_adam.adamw_update(weights, grad, mu, nu, learning_rate=LEARNING_RATE, count=count,
+    adam.adamw_update(weights, grad, mu, nu, learning_rate=LEARNING_RATE, count=count,
                            **HYPER)
   # The same codes; the weights and scales as close as float32 arithmetic in another order.
   np.testing.assert_allclose(np.asarray(got["w"]), weights, rtol=0, atol=1e-6)

@@ -8,9 +8,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxoffload import remat
-from jaxoffload.train import ConfigError, advice, load_config, rules, train
-from jaxoffload.train import reference
+from jaxoffload.nn import remat
+from jaxoffload.train import (ConfigError, advice, load_config, reference,
+                              rules, train)
 from jaxoffload.train.loading import config_from_dict, parse_override
 from jaxoffload.train.resolve import abstract_setup
 from jaxoffload.train.run_config import MeshConfig

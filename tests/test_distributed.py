@@ -13,7 +13,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxoffload.train import ConfigError, claims, load_config, train
+from jaxoffload.train import ConfigError, load_config, train
+from jaxoffload.train.checkpoints import claims
 from tests.helpers import checkpoint_entries
 
 COMMON = ["train.train_iters=5", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2",

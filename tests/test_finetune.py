@@ -13,10 +13,11 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from jaxoffload import hf
-from jaxoffload.export import export
-from jaxoffload.export import main as export_main
-from jaxoffload.model import Llama, next_token_loss
-from jaxoffload.train import ConfigError, Trainer, load_config, resolve, run, weights
+from jaxoffload.train.export import export
+from jaxoffload.train.export import main as export_main
+from jaxoffload.nn.model import Llama, next_token_loss
+from jaxoffload.train import (ConfigError, Trainer, load_config, resolve, run,
+                              weights)
 from jaxoffload.train.__main__ import main
 from tests.helpers import QUIET, listed, on_tmpfs
 
@@ -200,7 +201,7 @@ def test_export_onto_a_full_or_read_only_disk_exits_2_with_one_line_and_leaves_n
     tmp_path, exported_run, options, reason):
   (tmp_path / "disk").mkdir()
   done = subprocess.run(
-      on_tmpfs(tmp_path / "disk", options, [sys.executable, "-m", "jaxoffload.export",
+      on_tmpfs(tmp_path / "disk", options, [sys.executable, "-m", "jaxoffload.train.export",
                                             str(exported_run), str(tmp_path / "disk/hf")]),
       capture_output=True, text=True, timeout=300, check=False)
   assert done.returncode == 2, done.stderr[-2000:]

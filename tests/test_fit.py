@@ -1,5 +1,5 @@
-"""The search for the fastest setting that fits (``jaxoffload.train.fit``): its ladders of
-offload fractions (``jaxoffload.train.ladder``), what it compiles and prunes, and
+"""The search for the fastest setting that fits (``jaxoffload.plan.fit``): its ladders of
+offload fractions (``jaxoffload.plan.ladder``), what it compiles and prunes, and
 ``optimizer_offload_fraction=auto``."""
 
 import dataclasses
@@ -7,15 +7,17 @@ import dataclasses
 import jax
 import pytest
 
-from jaxoffload import autoplace, plan
+from jaxoffload import plan
+from jaxoffload.host import pricing
 from jaxoffload.memory import offloaded_activation_bytes
-from jaxoffload.plan import search
-from jaxoffload.train import compiling, fit, load_config, resolve, shallow, train
-from jaxoffload.train.compiling import Peaks
-from jaxoffload.train.ladder import (HOST_HEADROOM, Budgets, Candidate, Ladder,
-                                     offload_overrides)
+from jaxoffload.plan import compiling, fit, search, shallow
+from jaxoffload.plan.compiling import Peaks
+from jaxoffload.plan.ladder import (HOST_HEADROOM, Budgets, Candidate, Ladder,
+                                    offload_overrides)
+from jaxoffload.train import load_config, resolve, train
 from jaxoffload.train.step import CompiledStep, Trainer, resident_device_bytes
-from tests.planning import CALIBRATION, MACHINE, TEMPORARIES, compiled_as_resident  # noqa: F401
+from tests.planning import (CALIBRATION, MACHINE, TEMPORARIES,  # noqa: F401
+                            compiled_as_resident)
 
 
 def test_the_search_stops_once_the_pick_beats_every_bound(compiled_as_resident):
@@ -159,9 +161,10 @@ def test_auto_offload_trains_with_the_least_fraction_that_fits(compiled_as_resid
       "optimizer.optimizer_cpu_offload=False"]))))
   budgets = plan.Budgets(device=int((state * 0.6 + TEMPORARIES) / 0.95), host=10**12)
   monkeypatch.setattr(fit, "budgets_of", lambda config, device_memory=None: budgets)
-  monkeypatch.setattr(autoplace, "measure_machine", lambda **_: MACHINE)
+  monkeypatch.setattr(pricing, "measure_machine", lambda **_: MACHINE)
   logged = []
-  losses = train(load_config(None, overrides), log=logged.append)
+  config, chosen = plan.choose(load_config(None, overrides))
+  losses = train(config, log=logged.append, choices=chosen)
   chose, = [line for line in logged if line.startswith("optimizer_offload_fraction=auto chose")]
   fraction = float(chose.split()[2])
   assert 0 < fraction < 1 and len(losses) == 2

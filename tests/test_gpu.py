@@ -9,10 +9,11 @@ import optax
 import pytest
 
 import jaxoffload
-from jaxoffload import host_adam, remat
+from jaxoffload.host import adam
 from jaxoffload.memory import activation_bytes
-from jaxoffload.model import Llama, LlamaConfig, next_token_loss
-from jaxoffload.params import init_params, regroup
+from jaxoffload.nn import remat
+from jaxoffload.nn.model import Llama, LlamaConfig, next_token_loss
+from jaxoffload.nn.params import init_params, regroup
 from tests.helpers import grads_at, max_rel_diff, train
 
 pytestmark = pytest.mark.gpu
@@ -53,10 +54,10 @@ def test_eight_bit_moments_update_on_the_host_cpu_or_the_gpu_as_the_host_kernel_
   got, state, _ = train(opt, params, 3)
   assert state[0].mu["w"].codes.sharding.memory_kind == ("pinned_host" if fraction else "device")
   weights = np.array(params["w"])
-  mu = host_adam.CodedMoment.zeros(weights.shape, signed=True)
-  nu = host_adam.CodedMoment.zeros(weights.shape, signed=False)
+  mu = adam.CodedMoment.zeros(weights.shape, signed=True)
+  nu = adam.CodedMoment.zeros(weights.shape, signed=False)
   for count in range(1, 4):
-    host_adam.adamw_update(weights, np.asarray(grads_at(params, count - 1)["w"]), mu, nu,
+    adam.adamw_update(weights, np.asarray(grads_at(params, count - 1)["w"]), mu, nu,
                            learning_rate=1e-3, count=count)
   # The GPU fuses multiply-adds, rounding a moment otherwise in its last bit: a code on a
   # boundary between two levels may take the neighbouring one.
@@ -154,7 +155,8 @@ def test_activations_moved_by_the_trainer_leave_device_memory(monkeypatch):
   # What the device holds as the backward pass starts, with the moved layers' activations
   # in pinned_host, against the same step with them left where their programs made them.
   from jaxoffload.memory import offloaded_activation_bytes
-  from jaxoffload.train import Trainer, load_config, moved, overlap, resolve
+  from jaxoffload.train import Trainer, load_config, resolve
+  from jaxoffload.train.per_layer import moved, overlap
   setup = resolve(load_config(None, TRAINER_SHAPE + [
       "model.cpu_offloading=True", "model.cpu_offloading_num_layers=3",
       "model.cpu_offloading_double_buffering=True", "train.global_batch_size=4",

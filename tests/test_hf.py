@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from jaxoffload import hf, sharding
-from jaxoffload.hf_config import CheckpointError, read_config
-from jaxoffload.model import Llama
-from jaxoffload.params import logical_param_specs
-from jaxoffload.remat import layer_groups
+from jaxoffload import hf
+from jaxoffload.hf.config import CheckpointError, read_config
+from jaxoffload.nn import sharding
+from jaxoffload.nn.model import Llama
+from jaxoffload.nn.params import logical_param_specs
+from jaxoffload.nn.remat import layer_groups
 
 FIXTURES = "tests/fixtures"
 CHECKPOINTS = ["tiny_llama", "tiny_llama_tied"]

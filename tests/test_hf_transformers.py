@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from jaxoffload import hf
-from jaxoffload.hf_config import older_keys
-from jaxoffload.model import Llama
+from jaxoffload.hf.config import older_keys
+from jaxoffload.nn.model import Llama
 from jaxoffload.train import load_config, resolve, run
 
 pytestmark = pytest.mark.slow

@@ -7,15 +7,14 @@ import sys
 import jax
 import pytest
 
-from jaxoffload.memory import host_rss_bytes, parse_bytes, size
+from jaxoffload.memory import _read_keyed, host_rss_bytes, parse_bytes, size
 from jaxoffload.train import Trainer, load_config, resolve
+from jaxoffload.train.checkpoints import host_checkpoint
 from jaxoffload.train.config import ConfigError
-from jaxoffload.train.loading import override
-from jaxoffload.train.resolve import variant
-from jaxoffload.train import host_checkpoint
-from jaxoffload.memory import _read_keyed
 from jaxoffload.train.host_memory import available, check, needed
-from jaxoffload.train.step_time import offloaded_group_bytes
+from jaxoffload.train.loading import override
+from jaxoffload.train.per_layer.offloaded_layers import offloaded_group_bytes
+from jaxoffload.train.resolve import variant
 
 OFFLOAD = ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=1.0",
            "optimizer.optimizer_offload_update_on=device"]
@@ -214,6 +213,7 @@ GiB, MiB = 2**30, 2**20
 
 def test_a_gpu_pinned_pool_grows_by_doubling_regions_up_to_its_limit():
   from jaxoffload.train.host_memory import pinned_pool_bytes
+
   # Regions of 2, 4, ... MiB: k of them hold 2 MiB * (2**k - 1). The pool adds them until
   # it holds the arrays and an eighth more, the last one cut at the limit.
   regions = lambda wanted: next(2 * MiB * (2**k - 1) for k in range(1, 64)
@@ -260,6 +260,7 @@ def test_the_pool_limit_that_holds_the_pinned_arrays_is_advised_where_it_saves(m
 
 def test_a_refusal_names_the_pool_limit_where_the_pinned_pool_is_a_large_part(monkeypatch):
   from jaxoffload.train import host_memory
+
   # A GPU's pool far past its arrays: 44 GiB of them spread over this process's devices.
   monkeypatch.setattr(host_memory, "pinned_pool_limit", lambda: 64 * GiB)
   pinned = 44 * GiB

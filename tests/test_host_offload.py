@@ -10,9 +10,9 @@ import optax
 import pytest
 
 import jaxoffload
-from jaxoffload import host_arrays, host_offload
 from jaxoffload._compat import to_device, to_host
-from jaxoffload.host_offload import HostAdamW
+from jaxoffload.host import host_adamw, numpy_views
+from jaxoffload.host.host_adamw import HostAdamW
 from jaxoffload.train import load_config
 from jaxoffload.train.schedule import learning_rate
 from tests.helpers import max_rel_diff
@@ -346,7 +346,7 @@ def test_the_schedule_is_evaluated_once_per_table_not_at_each_update():
   for batch in batches:
     host.update(*device_step(host.params, batch))
   host.finish()
-  table = list(range(host_offload._SCHEDULE_TABLE))
+  table = list(range(host_adamw._SCHEDULE_TABLE))
   assert [int(c) for c in evaluated] == table
   assert host._learning_rate(1500) == pytest.approx(1e-3 * 1501)
   assert [int(c) for c in evaluated] == table + [1500 + c for c in table]
@@ -393,15 +393,16 @@ def test_summed_micro_batches_update_as_their_sum_does():
 def test_host_array_copies_compile_once_per_dtype_and_shape():
   x = jax.device_put(jnp.arange(16.0).reshape(4, 4))
   for _ in range(3):
-    np.testing.assert_array_equal(np.asarray(host_arrays.copy(x)), np.asarray(x))
-    assert host_arrays.copy(x, jnp.bfloat16).dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(numpy_views.copy(x)), np.asarray(x))
+    assert numpy_views.copy(x, jnp.bfloat16).dtype == jnp.bfloat16
   for dtype in (None, jnp.dtype(jnp.bfloat16)):
-    assert host_arrays._copier(dtype, x.sharding)._cache_size() == 1
+    assert numpy_views._copier(dtype, x.sharding)._cache_size() == 1
 
 
 def test_the_device_waits_for_room_before_it_sends_more_gradients():
   import concurrent.futures
-  from jaxoffload.held_update import HeldUpdate
+
+  from jaxoffload.host.held_update import HeldUpdate
   grads = {(i, None): to_host(jnp.full(256, float(i))) for i in range(4)}
   applied = []
   executor = concurrent.futures.ThreadPoolExecutor(1)

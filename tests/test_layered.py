@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxoffload import layered, remat
-from jaxoffload.model import Llama, LlamaConfig, group_name, next_token_loss
-from jaxoffload.params import init_params
+from jaxoffload.nn import layered, remat
+from jaxoffload.nn.model import Llama, LlamaConfig, group_name, next_token_loss
+from jaxoffload.nn.params import init_params
 from tests.helpers import max_rel_diff
 
 CONFIG = LlamaConfig()

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxoffload.model import Llama, LlamaConfig, next_token_loss
-from jaxoffload.params import init_params
+from jaxoffload.nn.model import Llama, LlamaConfig, next_token_loss
+from jaxoffload.nn.params import init_params
 from jaxoffload.train import __main__ as train_main
 from jaxoffload.train import advice, levers, load_config, metrics, resolve, run
 from jaxoffload.train.step import Trainer
@@ -127,7 +127,7 @@ def test_a_window_of_steps_is_profiled(tmp_path):
 
 def test_out_of_device_memory_names_the_keys_and_writes_the_memory_profile(tmp_path, capsys,
                                                                            monkeypatch):
-  def out_of_memory(config):
+  def out_of_memory(config, **_):
     raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 111 GiB")
 
   monkeypatch.setattr(train_main, "train", out_of_memory)
@@ -159,7 +159,7 @@ def refused_in(directory, write):
 @pytest.mark.parametrize("where", ["checkpoint.dir", "read-only checkpoint.dir", None])
 def test_the_memory_profile_goes_beside_the_checkpoints_or_into_a_new_directory_never_here(
     tmp_path, capsys, monkeypatch, where):
-  def out_of_memory(config):
+  def out_of_memory(config, **_):
     raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 111 GiB")
 
   monkeypatch.setattr(train_main, "train", out_of_memory)
@@ -209,7 +209,7 @@ def test_what_a_device_lever_frees_is_near_what_xla_compiles(config, lever):
 
 
 def test_out_of_pinned_host_memory_names_the_pool_limit(capsys, monkeypatch):
-  def out_of_pinned_memory(config):
+  def out_of_pinned_memory(config, **_):
     raise jax.errors.JaxRuntimeError(
         "RESOURCE_EXHAUSTED: Out of host memory while trying to allocate 6.59GiB with allocator "
         "xla_gpu_host_bfc on device 0.")
@@ -227,7 +227,7 @@ def test_out_of_pinned_host_memory_names_the_pool_limit(capsys, monkeypatch):
 
 
 def test_xlas_failure_inside_one_program_names_the_program_per_layer(capsys, monkeypatch):
-  def failing(config):
+  def failing(config, **_):
     raise IndexError("absl::container_internal::raw_hash_map<>::at\n--------------------\n"
                      "For simplicity, JAX has removed its internal frames")
 
@@ -240,7 +240,7 @@ def test_xlas_failure_inside_one_program_names_the_program_per_layer(capsys, mon
       "failed so with host offload inside one program on some GPUs, where a program per layer "
       "(model.cpu_offloading_double_buffering=True, or train.per_layer_step=True) ran\n")
   # Any other IndexError is a bug of ours, and keeps its traceback.
-  monkeypatch.setattr(train_main, "train", lambda config: [][0])
+  monkeypatch.setattr(train_main, "train", lambda config, **_: [][0])
   with pytest.raises(IndexError, match="list index out of range"):
     train_main.main([])
 
@@ -273,7 +273,7 @@ def test_out_of_memory_advice_starts_from_what_the_auto_settings_chose(tmp_path,
              "train.micro_batch_size=1", "optimizer.grad_accum_dtype=bfloat16",
              "model.recompute_granularity=full"]
 
-  def out_of_memory(config):  # After resolve chose the host kernel for the auto placement.
+  def out_of_memory(config, **_):  # After resolve chose the host kernel for the auto placement.
     error = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 9 GiB")
     error.resolved_config = load_config(None, offload + [
         "optimizer.optimizer_offload_update_on=host_kernel"])

@@ -8,11 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxoffload import remat, sharding
 from jaxoffload._compat import to_device, to_host
 from jaxoffload.memory import activation_bytes
-from jaxoffload.model import DecoderLayer, Llama, LlamaConfig, group_name, next_token_loss
-from jaxoffload.params import init_params, logical_param_specs, regroup
+from jaxoffload.nn import remat, sharding
+from jaxoffload.nn.model import (DecoderLayer, Llama, LlamaConfig, group_name,
+                                 next_token_loss)
+from jaxoffload.nn.params import init_params, logical_param_specs, regroup
 from tests.helpers import max_rel_diff
 
 CONFIG = LlamaConfig()

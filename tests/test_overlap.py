@@ -1,4 +1,4 @@
-"""The step a program per piece of the model (``jaxoffload.train.overlap``): the host kernel's
+"""The step a program per piece of the model (``jaxoffload.train.per_layer.overlap``): the host kernel's
 update overlapping the next forward pass, and activations moved by the trainer."""
 
 import jax
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from jaxoffload import plan_offload
-from jaxoffload.train import (Trainer, load_config, offloaded_layers, overlap, resolve, train,
-                              weights)
+from jaxoffload.train import Trainer, load_config, resolve, train, weights
+from jaxoffload.train.per_layer import offloaded_layers, overlap
 from tests.helpers import HOST_KERNEL, QUIET, max_rel_diff
 
 STEPS = 5
@@ -170,8 +170,8 @@ def test_the_overlapped_step_keeps_a_layers_input_only_where_its_backward_pass_r
 def test_an_unclipped_overlapped_step_sends_no_gradient_ahead_of_the_hosts_update(monkeypatch):
   # With no room ahead, each layer's backward program waits until the host has applied
   # every gradient sent before it: the host never holds more than one program's.
-  from jaxoffload import held_update
-  from jaxoffload.train import overlap
+  from jaxoffload.host import held_update
+  from jaxoffload.train.per_layer import overlap
   monkeypatch.setattr(overlap, "GRADIENT_BYTES_AHEAD", 0)
   pending = []
   wait = held_update.HeldUpdate.wait_for_room
@@ -193,7 +193,7 @@ def test_an_unclipped_overlapped_step_sends_no_gradient_ahead_of_the_hosts_updat
 
 
 def test_moves_keep_dispatch_within_two_programs_of_the_device(monkeypatch):
-  from jaxoffload.train import moved
+  from jaxoffload.train.per_layer import moved
   outputs = [[jax.numpy.full(2, i, np.float32) for _ in range(2)] for i in range(4)]
   outputs[1][0].delete()  # Taken by a later program.
   moved.wait_for(outputs[1])  # Waits on the rest.
@@ -214,7 +214,7 @@ def test_moves_keep_dispatch_within_two_programs_of_the_device(monkeypatch):
 @SLOW
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (the CPU backend has them in CI)")
 def test_moved_activations_come_back_a_layer_ahead_or_are_read_where_they_are(monkeypatch):
-  from jaxoffload.train import moved
+  from jaxoffload.train.per_layer import moved
   original, copies, outs = moved.placed, [], []
 
   def recorded(arrays, memory_kind):  # Per copy: from where, to where.

@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import pytest
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxoffload import remat
-from jaxoffload.remat import Placement
+from jaxoffload.nn import remat
+from jaxoffload.nn.remat import Placement
 from tests.helpers import max_rel_diff
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from jaxoffload.streaming import num_chunks
+from jaxoffload.optim.streaming import num_chunks
 
 
 @pytest.mark.parametrize("elements, bytes_per_element, chunk_bytes, expected", [

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from jaxoffload.hf_config import CheckpointError
-from jaxoffload.tensor_files import MappedFile, copy_blocks
+from jaxoffload.hf.config import CheckpointError
+from jaxoffload.hf.tensor_files import MappedFile, copy_blocks
 
 # Rows that are no multiple of a task's 256 or a tile's 16.
 SHAPE = (531, 37)

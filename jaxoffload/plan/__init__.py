@@ -12,25 +12,25 @@ Each candidate is judged before anything is allocated:
 - device peak: XLA's memory analysis of the step compiled from shapes alone
   (``Trainer.from_shapes``), against the device's memory less a headroom: predicted
   from the step at two shallow depths, then compiled whole where it is predicted to fit
-  (``train.fit.search``); where that memory is unknown (CPUs), nothing is compiled;
+  (``plan.fit.search``); where that memory is unknown (CPUs), nothing is compiled;
 - host bytes: the host-memory guard's arithmetic (``train.host_memory``, with the JAX
   runtime's reserve) and what this process holds, against what the machine gives less
   a headroom;
-- step time: predicted (``jaxoffload.train.step_time``) from a short calibration
+- step time: predicted (``jaxoffload.plan.step_time``) from a short calibration
   of this machine (``jaxoffload.plan.timing``).
 
 It prints every candidate it judged (compiled or not, and why), marks what
 fits, and picks the fastest that fits, with the seconds each part of the plan took; XLA's
 own log lines are left out.
 ``optimizer.optimizer_offload_fraction=auto`` in the trainer runs the same search over the
-offload alone (``jaxoffload.train.fit``, whose ladders and search this one extends).
+offload alone (``jaxoffload.plan.fit``, whose ladders and search this one extends).
 """
 
+from jaxoffload.plan.fit import budgets_of, choose, fastest_offload
+from jaxoffload.plan.ladder import Budgets, Candidate
 from jaxoffload.plan.search import activation_settings, plan, table
+from jaxoffload.plan.step_time import Calibration, predict_s
 from jaxoffload.plan.timing import calibrate
-from jaxoffload.train.fit import budgets_of, fastest_offload
-from jaxoffload.train.ladder import Budgets, Candidate
-from jaxoffload.train.step_time import Calibration, predict_s
 
 __all__ = ["Budgets", "Calibration", "Candidate", "activation_settings", "budgets_of",
-           "calibrate", "fastest_offload", "plan", "predict_s", "table"]
+           "calibrate", "choose", "fastest_offload", "plan", "predict_s", "table"]

@@ -1,6 +1,6 @@
 """The planner's wider search: the activation settings, micro-batch sizes and moment
-storages it tries besides the offload (``train.ladder``'s ladders, searched by
-``train.fit``), and its table."""
+storages it tries besides the offload (``plan.ladder``'s ladders, searched by
+``plan.fit``), and its table."""
 
 from __future__ import annotations
 
@@ -9,18 +9,18 @@ from typing import Optional
 
 import jax
 
-from jaxoffload import autoplace
+from jaxoffload.host import pricing
 from jaxoffload.memory import host_rss_bytes
-from jaxoffload.plan import xla_logs
+from jaxoffload.plan import fit, xla_logs
+from jaxoffload.plan.fit import Log
+from jaxoffload.plan.ladder import Budgets, Candidate, Ladder
+from jaxoffload.plan.step_time import Calibration
 from jaxoffload.plan.timing import calibrate
-from jaxoffload.train import fit, host_memory
+from jaxoffload.train import host_memory
 from jaxoffload.train.config import Config, ConfigError
-from jaxoffload.train.fit import Log
-from jaxoffload.train.ladder import Budgets, Candidate, Ladder
 from jaxoffload.train.loading import override
+from jaxoffload.train.offload_choice import kernel_formats
 from jaxoffload.train.rules import GRAD_SUMS_PLACES, moment_dtypes
-from jaxoffload.train.update_place import kernel_formats
-from jaxoffload.train.step_time import Calibration
 
 # Adam's moments in the storages the planner falls back to, smallest last, where the
 # config's own fit nowhere: bfloat16 (rounded stochastically), then 8-bit blocks.
@@ -93,14 +93,14 @@ def _layers(n: int) -> str:
 
 
 def plan(config: Config, budgets: Budgets, *, explore: bool = True, compact: bool = True,
-         log: Log = print, machine: Optional[autoplace.Machine] = None,
+         log: Log = print, machine: Optional[pricing.Machine] = None,
          calibration: Optional[Calibration] = None) -> tuple[Optional[Candidate], list[Candidate]]:
   """The fastest candidate that fits ``budgets``, and what each combination came to.
 
   Each combination of activation setting, micro-batch size and update placement
   (with the host kernel and accumulation, and where its leaves' gradients are summed)
-  is a ladder of offload fractions in layer-sized steps (``train.ladder.Ladder``), and
-  ``train.fit.search`` finds the fastest that fits, compiling as few as it can (none where
+  is a ladder of offload fractions in layer-sized steps (``plan.ladder.Ladder``), and
+  ``plan.fit.search`` finds the fastest that fits, compiling as few as it can (none where
   the device's budget is unknown); where nothing does, the ladders of each smaller moment
   storage are searched the same way. XLA's log lines meanwhile are dropped (``xla_logs``).
 
@@ -125,7 +125,7 @@ def plan(config: Config, budgets: Budgets, *, explore: bool = True, compact: boo
   baseline = host_rss_bytes() or 0  # What a run holds before its state, as the guard counts.
   log(host_column(baseline))
   seconds = {"start": time.perf_counter()}
-  machine = machine or autoplace.measure_machine(formats=kernel_formats(config))
+  machine = machine or pricing.measure_machine(formats=kernel_formats(config))
   seconds["measuring the link and the host kernel"] = time.perf_counter()
   settings = activation_settings(config) if explore else {"as configured": []}
   sizes = _micro_batch_sizes(config) if explore else [config.train.micro_batch_size]

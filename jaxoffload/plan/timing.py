@@ -1,4 +1,4 @@
-"""The calibration a step-time prediction (``jaxoffload.train.step_time``) is made from.
+"""The calibration a step-time prediction (``jaxoffload.plan.step_time``) is made from.
 
 ``calibrate`` times, on this device, the forward and backward pass of small versions of
 the model at the config's micro-batch size: with every layer saved, at 1 and 2 layers (one
@@ -21,16 +21,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxoffload.autoplace import CPU_PROBE_DIVISOR, best_seconds
+from jaxoffload.host.pricing import CPU_PROBE_DIVISOR, best_seconds
 from jaxoffload.memory import available, parse_bytes
-from jaxoffload.sharding import batch_sharding
+from jaxoffload.nn.sharding import batch_sharding
+from jaxoffload.plan.compiling import workers
+from jaxoffload.plan.step_time import REST_MODES, Calibration, timed_modes
 from jaxoffload.train import host_memory
-from jaxoffload.train.compiling import workers
 from jaxoffload.train.config import Config, ConfigError
 from jaxoffload.train.grads import loss_and_grads
 from jaxoffload.train.loading import override
 from jaxoffload.train.resolve import Setup, resolve
-from jaxoffload.train.step_time import REST_MODES, Calibration, timed_modes
 from jaxoffload.train.weights import targets
 
 _COPY_BYTES = 256 * 2**20
@@ -193,7 +193,7 @@ def _placed(values: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
 
 def _device_bandwidth() -> float:
   """Bytes per second the first device reads and writes in a large copy (smaller on a CPU,
-  as ``autoplace``'s probes are)."""
+  as ``pricing``'s probes are)."""
   device = jax.devices()[0]
   copy_bytes = _COPY_BYTES // (CPU_PROBE_DIVISOR if device.platform == "cpu" else 1)
   x = jnp.ones(copy_bytes // 4, jnp.float32, device=device)

@@ -26,6 +26,7 @@ from typing import Optional
 
 import jax
 
+from jaxoffload import plan
 from jaxoffload.train import advice, host_memory, launch, levers, stopping
 from jaxoffload.train.config import ConfigError
 from jaxoffload.train.loading import load_config
@@ -49,7 +50,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     launch.keep_compiled(config)
     launch.size_pinned_pool(config)
     launch.start_processes(config)
-    train(config)
+    config, chosen = plan.choose(config)
+    train(config, choices=chosen)
   except ConfigError as error:
     _exit(f"error: {error}", 2)
   except FloatingPointError as error:

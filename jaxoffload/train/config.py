@@ -16,11 +16,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Union
 
-from jaxoffload import remat
-from jaxoffload.model import LlamaConfig
+from jaxoffload.nn import remat
+from jaxoffload.nn.model import LlamaConfig
 # Re-exported: every section imports from here.
-from jaxoffload.train.run_config import (CheckpointConfig, DataConfig, DistributedConfig,
-                                         EvalConfig, LoggingConfig, MeshConfig)
+from jaxoffload.train.run_config import (CheckpointConfig, DataConfig,
+                                         DistributedConfig, EvalConfig,
+                                         LoggingConfig, MeshConfig)
 
 
 class ConfigError(ValueError):
@@ -31,7 +32,7 @@ class ConfigError(ValueError):
 class ModelConfig(LlamaConfig):
   """``model.*``: the model's shape and numerics, and activation and weight offload.
 
-  The shape and numerics are the fields of ``jaxoffload.model.LlamaConfig``;
+  The shape and numerics are the fields of ``jaxoffload.nn.model.LlamaConfig``;
   the offload keys follow Megatron-Bridge. Its rules, in its words: activation
   offload with ``pipeline_model_parallel_size > 1`` ("Currently there is no
   support for Pipeline parallelism with CPU offloading"), with
@@ -60,7 +61,7 @@ class ModelConfig(LlamaConfig):
       forward pass, more than two layers' (the planner counts them). False: XLA's remat
       policy moves them inside one program.
     cpu_offloading_policy: which named activations the offloaded layers send to
-      pinned_host, the rest recomputed: a key of ``jaxoffload.remat.OFFLOAD_PRESETS``
+      pinned_host, the rest recomputed: a key of ``jaxoffload.nn.remat.OFFLOAD_PRESETS``
       (all, qkv, attention, mlp, qkv_mlp, matmuls, residual). A jaxoffload extension;
       why qkv: [performance](performance.md#activation-offload).
     recompute_granularity: null to save every activation for the backward pass;
@@ -118,12 +119,12 @@ class OptimizerConfig:
     optimizer_offload_update_on: where offloaded state updates: device (moments
       streamed through the device in chunks), host (XLA's host computation, one core),
       host_kernel (ZeRO-Offload's split: the chosen leaves' float32 weights and moments
-      live on the host and ``jaxoffload.host_adam``'s multi-threaded kernel updates them
+      live on the host and ``jaxoffload.host.adam``'s multi-threaded kernel updates them
       between device steps; needs numba), or auto, the default (the trainer times this
       machine's link and host kernel, prices device and host_kernel, each with the
       transfer dtype it would take (where the host kernel's update overlaps the next
       forward pass, its time under that pass costs nothing), takes the cheaper and
-      prints why: ``jaxoffload.autoplace``; 8-bit moments take host_kernel).
+      prints why: ``jaxoffload.host.pricing``; 8-bit moments take host_kernel).
     overlap_cpu_optimizer_d2h_h2d: with optimizer_offload_update_on=device, true fetches
       each streamed piece of state while the previous one updates (double buffering, one
       more piece of device memory). With host_kernel, the model runs a program per layer
@@ -171,7 +172,7 @@ class OptimizerConfig:
       stochastically (``jaxoffload.rounding``) so that training tracks float32
       ([performance](performance.md#compact-optimizer-state)). int8: 8-bit blockwise
       (torchao's AdamW8bit, bitsandbytes' 8-bit Adam): a byte an element and a float32
-      scale per block of 256 elements of a row (``jaxoffload.blockwise``), each element
+      scale per block of 256 elements of a row (``jaxoffload.optim.blockwise``), each element
       the nearest level; kept on the device, by the host kernel or with
       optimizer_offload_update_on=host, not streamed (device). The host kernel rounds
       and encodes as the device does, bit for bit.
@@ -228,7 +229,7 @@ class TrainConfig:
       size such as 64GB or 60GiB; null: what the machine (MemAvailable) and the
       cgroup leave. A run that would need more is refused before it allocates.
     per_layer_step: run every step as a program per piece of the model
-      (``jaxoffload.train.overlap``) even where nothing needs it, to compare it with
+      (``jaxoffload.train.per_layer.overlap``) even where nothing needs it, to compare it with
       the one-program step (the no-offload baseline included). The host kernel's
       overlapped update and cpu_offloading_double_buffering run so anyway.
     compilation_cache_dir: where compiled programs are kept for later runs and plans of

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from jaxoffload import rounding
 from jaxoffload._compat import to_device
-from jaxoffload.model import Llama, next_token_loss
+from jaxoffload.nn.model import Llama, next_token_loss
 
 
 def micro_batch(tokens: jax.Array, micro_batches: int, index: Any) -> jax.Array:

@@ -17,14 +17,16 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-from jaxoffload import host_state
-from jaxoffload.model import group_name
-from jaxoffload.placement import leaf_path
-from jaxoffload.memory import available, offloaded_activation_bytes, parse_bytes, size
-from jaxoffload.train import checkpoint_dir, host_checkpoint, levers
+from jaxoffload.host import kernel_state
+from jaxoffload.memory import (available, offloaded_activation_bytes,
+                               parse_bytes, size)
+from jaxoffload.nn.model import group_name
+from jaxoffload.optim.offload_plan import leaf_path
+from jaxoffload.train import levers
 from jaxoffload.train import weights as weights_
+from jaxoffload.train.checkpoints import checkpoint_dir, host_checkpoint
 from jaxoffload.train.config import ConfigError
-from jaxoffload.train.overlap import GRADIENT_BYTES_AHEAD
+from jaxoffload.train.per_layer.overlap import GRADIENT_BYTES_AHEAD
 from jaxoffload.train.resolve import Setup
 
 # XLA's pinned host allocator holds more than the arrays in it, and JAX's
@@ -124,7 +126,7 @@ def largest_pinned_array(setup: Setup) -> int:
     if off and setup.host_kernel:
       itemsize = max(d.itemsize for d in next(transfer))
     elif off:
-      itemsize = max(host_state.moment_bytes(d, shape.shape) for d in moments)
+      itemsize = max(kernel_state.moment_bytes(d, shape.shape) for d in moments)
     else:
       itemsize = shape.dtype.itemsize if fetch else 0
     largest = max(largest, int(elements * itemsize))
@@ -156,11 +158,11 @@ def _state(setup: Setup, elements_of) -> tuple[dict[str, int], int, float]:
   for (path, _), shape, sharding, off, fetch, checkpointed in zip(
       paths, shapes, shardings, offloaded, fetched, checkpoint_dir.bytes_per_element(setup)):
     elements = elements_of(shape.shape, sharding)
-    moment_bytes = sum(host_state.moment_bytes(d, sharding.shard_shape(shape.shape))
+    moment_bytes = sum(kernel_state.moment_bytes(d, sharding.shard_shape(shape.shape))
                        for d in moments)
     if off and setup.host_kernel:
       wire, weights_read_in = next(transfer)
-      weights, others = host_state.host_bytes_per_element(
+      weights, others = kernel_state.host_bytes_per_element(
           weights_read_in, master_dtype=shape.dtype, moment_bytes=moment_bytes)
       split = others - moment_bytes
       # Each step's gradients arrive in pinned memory; micro-batches summed on the host hold

@@ -12,8 +12,8 @@ import jax
 
 from jaxoffload.train import host_memory
 from jaxoffload.train.config import Config
+from jaxoffload.train.offload_choice import candidate_places, settled
 from jaxoffload.train.resolve import Setup, abstract_setup
-from jaxoffload.train.update_place import candidate_places, settled
 
 # The pinned pool's size in GiB that size_pinned_pool set for this process, if it did.
 sized_pinned_pool_gib: Optional[int] = None

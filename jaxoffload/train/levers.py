@@ -17,9 +17,9 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxoffload import layered, remat
 from jaxoffload.memory import size
-from jaxoffload.model import group_name
+from jaxoffload.nn import layered, remat
+from jaxoffload.nn.model import group_name
 from jaxoffload.train.config import ConfigError
 from jaxoffload.train.loading import override
 from jaxoffload.train.resolve import Setup, variant

@@ -16,9 +16,10 @@ from typing import Any, Optional, Sequence
 
 import yaml
 
-from jaxoffload.hf_config import CheckpointError, read_config
-from jaxoffload.model import LlamaConfig
-from jaxoffload.train import checkpoint_meta, rules
+from jaxoffload.hf.config import CheckpointError, read_config
+from jaxoffload.nn.model import LlamaConfig
+from jaxoffload.train import rules
+from jaxoffload.train.checkpoints import checkpoint_meta
 from jaxoffload.train.config import Config, ConfigError
 
 # LlamaConfig fields a checkpoint does not decide: how the run computes, and on what.

@@ -7,15 +7,16 @@ import math
 import os
 import sys
 import time
-from typing import Callable, Optional, TextIO
+from typing import Callable, Optional, Sequence, TextIO
 
 import jax
 
 import jaxoffload
 from jaxoffload.memory import host_rss_bytes
-from jaxoffload.train import checkpoints as ckpt
-from jaxoffload.train import (advice, checkpoint_dir, device_memory, fit, host_memory, launch,
+from jaxoffload.train import (advice, device_memory, host_memory, launch,
                               metrics, stopping, weights)
+from jaxoffload.train.checkpoints import checkpoint_dir
+from jaxoffload.train.checkpoints import saves as ckpt
 from jaxoffload.train.config import Config
 from jaxoffload.train.resolve import Setup, resolve
 from jaxoffload.train.step import Trainer
@@ -49,13 +50,14 @@ class Run:
     return [r.loss for r in self.records]
 
 
-def train(config: Config, *, log: Log = print, stop_after_step: Optional[int] = None
-          ) -> list[float]:
+def train(config: Config, *, log: Log = print, stop_after_step: Optional[int] = None,
+          choices: Sequence[str] = ()) -> list[float]:
   """Runs steps up to ``config.train.train_iters``; returns the loss of each step run."""
-  return run(config, log=log, stop_after_step=stop_after_step).losses
+  return run(config, log=log, stop_after_step=stop_after_step, choices=choices).losses
 
 
-def run(config: Config, *, log: Log = print, stop_after_step: Optional[int] = None) -> Run:
+def run(config: Config, *, log: Log = print, stop_after_step: Optional[int] = None,
+        choices: Sequence[str] = ()) -> Run:
   """Runs steps up to ``config.train.train_iters``; returns each step's record.
 
   Across several processes (``distributed.*``) every process runs this; only
@@ -64,10 +66,12 @@ def run(config: Config, *, log: Log = print, stop_after_step: Optional[int] = No
   ``checkpoint.resume`` continues from the newest checkpoint there.
 
   Args:
-    config: a checked config (``load_config``).
+    config: a checked config (``load_config``) with no ``auto`` offload fraction (the
+      planner's ``jaxoffload.plan.choose`` settles one).
     log: where progress lines go; on a terminal, ``print`` redraws one line in place.
     stop_after_step: end early, as an interruption would, after saving a
       checkpoint there; the schedule still spans ``train_iters``.
+    choices: what the planner chose for ``config``, a line each, announced first.
 
   Returns:
     The ``Run``: each step's record and the compiled step's memory.
@@ -75,12 +79,8 @@ def run(config: Config, *, log: Log = print, stop_after_step: Optional[int] = No
   reporting = jax.process_index() == 0
   if not reporting:
     log = lambda _: None
-  # Before resolve: an auto offload fraction compiles steps to pick one.
   advice.check_backend(config, jax.default_backend())
-  chosen = []
-  if config.optimizer.optimizer_offload_fraction == "auto":
-    config = fit.fastest_offload(config, log=chosen.append)
-  setup = resolve(config, choices=chosen)
+  setup = resolve(config, choices=choices)
   config = setup.config
   # Before anything is allocated or compiled.
   need = host_memory.check(setup)

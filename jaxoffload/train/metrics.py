@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Optional, TextIO
 import jax
 import jax.numpy as jnp
 
-from jaxoffload.model import LlamaConfig
+from jaxoffload.nn.model import LlamaConfig
 from jaxoffload.train.config import ConfigError
 
 # Dense peak FLOP/s of one chip for 16-bit and for 32-bit matmuls (TF32 on

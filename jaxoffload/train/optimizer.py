@@ -16,10 +16,10 @@ import jax.numpy as jnp
 import optax
 
 import jaxoffload
-from jaxoffload import blockwise
 from jaxoffload._compat import DEVICE_KIND, PINNED_HOST
-from jaxoffload.host_offload import HostAdamW
-from jaxoffload.placement import leaf_path
+from jaxoffload.host.host_adamw import HostAdamW
+from jaxoffload.optim import blockwise
+from jaxoffload.optim.offload_plan import leaf_path
 from jaxoffload.train.resolve import Setup
 
 
@@ -56,7 +56,7 @@ def optimizer(setup: Setup) -> optax.GradientTransformation:
 def plain_adamw(setup: Setup) -> optax.GradientTransformation:
   """``optax.adamw`` on the schedule with the config's hyperparameters: what the device
   optimizer applies to its leaves with float32 moments, a whole leaf or a layer of it at
-  a time (``train.offloaded_layers``)."""
+  a time (``train.per_layer.offloaded_layers``)."""
   return optax.adamw(setup.schedule, **_adamw_hyperparameters(setup))
 
 

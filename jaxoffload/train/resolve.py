@@ -17,15 +17,16 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxoffload import sharding
-from jaxoffload.model import Llama, LlamaConfig, compute_dtypes, group_name
-from jaxoffload.params import cut_param_shapes
-from jaxoffload.placement import OffloadPlan, leaf_path, plan_offload
-from jaxoffload.remat import LayerGroup
+from jaxoffload.nn import sharding
+from jaxoffload.nn.model import Llama, LlamaConfig, compute_dtypes, group_name
+from jaxoffload.nn.params import cut_param_shapes
+from jaxoffload.nn.remat import LayerGroup
+from jaxoffload.optim.offload_plan import OffloadPlan, leaf_path, plan_offload
 from jaxoffload.train import data, rules
 from jaxoffload.train.config import Config, ConfigError
+from jaxoffload.train.offload_choice import (candidate_places,
+                                             resolve_update_place)
 from jaxoffload.train.schedule import learning_rate
-from jaxoffload.train.update_place import candidate_places, resolve_update_place
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +55,7 @@ class Setup:
     moment_dtypes: the dtypes of Adam's two moments (``rules.moment_dtypes``).
     host_kernel: whether the offloaded leaves update with the host kernel (``HostAdamW``).
     overlaps_host_update: whether the host kernel's update overlaps the next step's forward
-      pass, a program per layer (``train.overlap``): unless
+      pass, a program per layer (``train.per_layer.overlap``): unless
       ``optimizer.overlap_cpu_optimizer_d2h_h2d=False``, wherever it can
       (``rules.host_update_overlap_blocker``).
     transfer_dtypes: per host kernel leaf, the dtype its gradients travel in and its weights
@@ -91,7 +92,7 @@ class Setup:
 
   @property
   def runs_per_layer(self) -> bool:
-    """Whether a step runs a program per piece of the model (``train.overlap``): for the host
+    """Whether a step runs a program per piece of the model (``train.per_layer.overlap``): for the host
     kernel's overlapped update, for the trainer to move activations, or where
     ``train.per_layer_step`` asks."""
     return (self.overlaps_host_update or self.moves_activations
@@ -147,7 +148,7 @@ class Setup:
   @property
   def weights_updated_by_layer(self) -> frozenset[str]:
     """The weight-offloaded groups whose backward pass updates them a layer at a time
-    (``train.offloaded_layers``): on the step a program per layer, unclipped, those the
+    (``train.per_layer.offloaded_layers``): on the step a program per layer, unclipped, those the
     device's own ``optax.adamw`` holds (float32 moments in device memory, none of their
     leaves the host kernel's)."""
     if (not self.runs_per_layer or self.clips_gradients or self.compact_moments
@@ -195,7 +196,7 @@ def resolve(config: Config, *, with_data: bool = True, choices: Sequence[str] = 
     with_data: read or make the run's batches; False for a setup that only compiles and
       sizes its step (``Setup.batch_shape``), as the planner's many do: a text corpus is
       then not read again for each.
-    choices: what the planner chose for ``config`` (``fit.fastest_offload``'s lines),
+    choices: what the planner chose for ``config`` (``jaxoffload.plan.choose``'s lines),
       shown before this machine's own choices.
 
   Raises:
@@ -206,7 +207,7 @@ def resolve(config: Config, *, with_data: bool = True, choices: Sequence[str] = 
   """
   if config.optimizer.optimizer_offload_fraction == "auto":
     raise ValueError("optimizer_offload_fraction=auto is the planner's to pick "
-                     "(fit.fastest_offload): resolve the config it returns")
+                     "(jaxoffload.plan.choose): resolve the config it returns")
   choices = list(choices)
   offload = _offload_plan(config)
   config, choice = resolve_update_place(config, offload)

@@ -10,15 +10,16 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from jaxoffload import remat
-from jaxoffload.adam import UPDATE_PLACES
 from jaxoffload.memory import parse_bytes
-from jaxoffload.placement import check_fraction
-from jaxoffload.train.config import Config, ConfigError, ModelConfig, OptimizerConfig
+from jaxoffload.nn import remat
+from jaxoffload.optim.offload_plan import check_fraction
+from jaxoffload.optim.offloaded_adam import UPDATE_PLACES
+from jaxoffload.train.config import (Config, ConfigError, ModelConfig,
+                                     OptimizerConfig)
 from jaxoffload.train.tokenizer import BYTE_VOCAB_SIZE
 
 DTYPES = ("float32", "bfloat16")
-# Adam's moments may also be 8-bit blocks (jaxoffload.blockwise).
+# Adam's moments may also be 8-bit blocks (jaxoffload.optim.blockwise).
 MOMENT_DTYPES = DTYPES + ("int8",)
 ATTENTION_IMPLEMENTATIONS = (None, "xla", "cudnn")
 CUDA_GRAPH_IMPLS = ("none", "local", "transformer_engine")
@@ -226,7 +227,7 @@ def moves_activations(config: Config) -> bool:
 
 
 def per_layer_blocker(config: Config) -> Optional[str]:
-  """Why the model cannot run a program per layer (``train.overlap``) for the trainer to move
+  """Why the model cannot run a program per layer (``train.per_layer.overlap``) for the trainer to move
   activations or for ``train.per_layer_step``, or None where it can: as the host kernel's
   overlap, where it may update on the host kernel; and never with
   ``optimizer.overlap_cpu_optimizer_d2h_h2d=False``, whose update runs after one program."""
@@ -240,7 +241,7 @@ def per_layer_blocker(config: Config) -> Optional[str]:
 
 def host_update_overlap_blocker(config: Config) -> Optional[str]:
   """Why the host kernel's update cannot overlap the next forward pass a program per layer
-  (``train.overlap``), or None where it can: with several micro-batches it needs the
+  (``train.per_layer.overlap``), or None where it can: with several micro-batches it needs the
   gradients summed on the device."""
   o, t = config.optimizer, config.train
   if (t.micro_batch_size != t.global_batch_size
@@ -330,7 +331,7 @@ def _check_mesh(config: Config) -> None:
   m, mesh = config.model, config.mesh
   for axis in ("data", "fsdp", "tensor"):
     _at_least(f"mesh.{axis}", getattr(mesh, axis), 1)
-  # The weights' axes each mesh axis shards (jaxoffload.sharding.LOGICAL_RULES): a weight's
+  # The weights' axes each mesh axis shards (jaxoffload.nn.sharding.LOGICAL_RULES): a weight's
   # axis splits into equal shards only.
   heads = lambda key, count: (f"model.{key} x model.kv_channels ({count} x {m.head_dim})",
                               count * m.head_dim)

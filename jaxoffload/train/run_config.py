@@ -92,7 +92,7 @@ class MeshConfig:
   """``mesh.*``: devices along each mesh axis.
 
   The batch is sharded over data and fsdp, weights over fsdp, heads, MLP and
-  vocabulary over tensor (``jaxoffload.sharding.LOGICAL_RULES``).
+  vocabulary over tensor (``jaxoffload.nn.sharding.LOGICAL_RULES``).
 
   Attributes:
     data: data-parallel devices.

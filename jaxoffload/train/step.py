@@ -16,20 +16,20 @@ import optax
 from jax.experimental import multihost_utils
 from optax import tree_utils as otu
 
-from jaxoffload import remat
 from jaxoffload._compat import DEVICE_KIND
-from jaxoffload.host_offload import HostAdamW
+from jaxoffload.host.host_adamw import HostAdamW
 from jaxoffload.memory import compiled_device_bytes
-from jaxoffload.model import Llama
-from jaxoffload.params import init_params
-from jaxoffload.placement import leaf_path
-from jaxoffload.train import host_checkpoint
-from jaxoffload.train.optimizer import (Moments, device_shapes, host_adamw, moment_values,
-                                       stored_moments, value_targets)
-from jaxoffload.train.overlap import OverlappedStep
+from jaxoffload.nn import remat
+from jaxoffload.nn.model import Llama
+from jaxoffload.nn.params import init_params
+from jaxoffload.optim.offload_plan import leaf_path
+from jaxoffload.train.checkpoints import host_checkpoint
+from jaxoffload.train.optimizer import (Moments, device_shapes, host_adamw,
+                                        moment_values, stored_moments,
+                                        value_targets)
+from jaxoffload.train.per_layer.overlap import OverlappedStep
 from jaxoffload.train.programs import StepPrograms
 from jaxoffload.train.resolve import Setup
-
 
 # A checkpoint's trees of the parameters' structure, whatever the setting.
 STATE_ITEMS = ("params", "mu", "nu")

@@ -14,11 +14,12 @@ import jax
 import jax.numpy as jnp
 
 from jaxoffload import hf
-from jaxoffload.hf_config import CheckpointError
-from jaxoffload.model import Llama
-from jaxoffload.params import abstract_params
-from jaxoffload.train import checkpoints as ckpt
-from jaxoffload.train import checkpoint_meta, reader, rules
+from jaxoffload.hf.config import CheckpointError
+from jaxoffload.nn.model import Llama
+from jaxoffload.nn.params import abstract_params
+from jaxoffload.train import rules
+from jaxoffload.train.checkpoints import checkpoint_meta, reader
+from jaxoffload.train.checkpoints import saves as ckpt
 from jaxoffload.train.config import ConfigError
 from jaxoffload.train.loading import config_from_dict
 from jaxoffload.train.resolve import Setup
