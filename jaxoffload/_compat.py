@@ -1,8 +1,8 @@
 """The one place that knows how JAX's memory-space and host-compute APIs differ by version.
 
-CI's CPU wheels (jax 0.10.x) offer ``compute_on2(f, compute_type=, out_memory_spaces=)``
-next to the older ``compute_on`` context manager; jax 0.11.x (the GPU machine) turned
-``compute_on`` itself into that keyword-only decorator. Everything else in the package
+jax 0.10.x offers ``compute_on2(f, compute_type=, out_memory_spaces=)`` next to the older
+``compute_on`` context manager; jax 0.11.x turned ``compute_on`` itself into that
+keyword-only decorator. Everything else in the package
 goes through the names below, so a new JAX version means editing this file only.
 """
 

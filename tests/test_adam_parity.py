@@ -33,39 +33,33 @@ def test_offload_adamw_is_the_chain_above():
   assert max_rel_diff(got, want) == 0.0
 
 
-@pytest.mark.parametrize("update_on", MODES)
-@pytest.mark.parametrize("fraction", FRACTIONS)
-def test_float32_matches_optax(fraction, update_on):
-  ours, ref = adamw_pair(fraction, update_on)
-  params = mixed_params()
-  got, _, _ = train(ours, params, STEPS)
-  want, _, _ = train(ref, params, STEPS)
-  assert max_rel_diff(got, want) <= 1e-5
+# The parity table: per kind of state, its parameters' dtype, the optimizer's keywords, the
+# fractions tried and the largest relative difference from optax.adamw allowed.
+PARITY = {
+    "float32": (jnp.float32, {}, FRACTIONS, 1e-5),
+    # Bitwise equal on CPU; other backends may round one bfloat16 step (2**-8) apart.
+    "bfloat16-params": (jnp.bfloat16, {}, [0.5, 1.0], 2**-7),
+    "bfloat16-mu": (jnp.float32, {"mu_dtype": jnp.bfloat16}, [0.5], 1e-5),
+}
+CASES = [pytest.param(kind, fraction, update_on, id=f"{kind}-{fraction}-{update_on}")
+         for kind, (_, _, fractions, _) in PARITY.items()
+         for fraction in fractions for update_on in MODES]
 
 
-@pytest.mark.parametrize("update_on", MODES)
-@pytest.mark.parametrize("fraction", [0.5, 1.0])
-def test_bfloat16_params_match_optax(fraction, update_on):
-  ours, ref = adamw_pair(fraction, update_on)
-  params = mixed_params(jnp.bfloat16)
+@pytest.mark.parametrize("kind, fraction, update_on", CASES)
+def test_matches_optax(kind, fraction, update_on):
+  dtype, kwargs, _, tolerance = PARITY[kind]
+  ours, ref = adamw_pair(fraction, update_on, **kwargs)
+  params = mixed_params(dtype)
   got, got_state, _ = train(ours, params, STEPS)
   want, _, _ = train(ref, params, STEPS)
-  assert jax.tree.leaves(got_state[0].mu)[0].dtype == jnp.bfloat16
-  # Bitwise equal on CPU; other backends may round one bfloat16 step (2**-8) apart.
-  assert max_rel_diff(got, want) <= 2**-7
-
-
-@pytest.mark.parametrize("update_on", MODES)
-def test_mu_dtype_matches_optax(update_on):
-  ours, ref = adamw_pair(0.5, update_on, mu_dtype=jnp.bfloat16)
-  params = mixed_params()
-  got, got_state, _ = train(ours, params, STEPS)
-  want, _, _ = train(ref, params, STEPS)
-  assert {x.dtype for x in jax.tree.leaves(got_state[0].mu)} == {jnp.dtype(jnp.bfloat16)}
-  # Rounding mu to bfloat16 turns a last-bit float32 difference between the host
-  # CPU's and a GPU's arithmetic into a bfloat16 step; on one backend they agree.
-  same_backend = update_on == "device" or jax.default_backend() == "cpu"
-  assert max_rel_diff(got, want) <= (1e-5 if same_backend else 1e-3)
+  mu_dtype = kwargs.get("mu_dtype", dtype)
+  assert {x.dtype for x in jax.tree.leaves(got_state[0].mu)} == {jnp.dtype(mu_dtype)}
+  if mu_dtype != dtype and update_on == "host" and jax.default_backend() != "cpu":
+    # Rounding mu to bfloat16 turns a last-bit float32 difference between the host CPU's
+    # and a GPU's arithmetic into a bfloat16 step; on one backend they agree.
+    tolerance = 1e-3
+  assert max_rel_diff(got, want) <= tolerance
 
 
 def test_host_and_device_updates_agree():

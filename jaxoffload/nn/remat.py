@@ -101,9 +101,8 @@ def offload_preset(name: str) -> dict[str, Placement]:
   return check_placements({n: Placement.OFFLOAD for n in OFFLOAD_PRESETS[name]})
 
 
-# What offloaded layers do unless told otherwise: offloading q/k/v and
-# recomputing the rest was the fastest offload policy, offloading every name
-# the slowest (docs/performance.md#activation-offload).
+# What offloaded layers do unless told otherwise: q/k/v offloaded, the rest recomputed
+# (each preset's cost: docs/performance.md#activation-offload).
 DEFAULT_OFFLOAD_PRESET = "qkv"
 OFFLOAD_DEFAULT = offload_preset(DEFAULT_OFFLOAD_PRESET)
 

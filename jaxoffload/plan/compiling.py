@@ -16,7 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional
 
 from jaxoffload.train.config import Config
-from jaxoffload.train.resolve import Setup
+from jaxoffload.train.setup import Setup
 from jaxoffload.train.step import Trainer
 
 # Each compile also uses a few threads of its own (LLVM's).

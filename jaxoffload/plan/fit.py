@@ -22,6 +22,7 @@ from jaxoffload.plan.ladder import (Budgets, Candidate, Ladder,
                                     offload_overrides)
 from jaxoffload.train import advice, host_memory
 from jaxoffload.train.config import Config, ConfigError
+from jaxoffload.train.implied import moment_dtypes
 from jaxoffload.train.loading import override
 from jaxoffload.train.offload_choice import candidate_places, kernel_formats
 
@@ -91,7 +92,8 @@ def least_offload(config: Config, budgets: Budgets, machine: Optional[pricing.Ma
   them; and each placement's outcome, fastest first. ``machine``: this machine's link and
   host-kernel rates; default: measured now."""
   baseline = host_rss_bytes() or 0  # What a run holds before its state, as the guard counts.
-  machine = machine or pricing.measure_machine(formats=kernel_formats(config))
+  formats = kernel_formats(config, moment_dtypes(config))
+  machine = machine or pricing.measure_machine(formats=formats)
   size = [f"train.micro_batch_size={config.train.micro_batch_size}"]
   return search([Ladder(config, "as configured", size, (place, None), machine, None, baseline)
                  for place in update_places(config, keep=True)], budgets)
@@ -106,7 +108,7 @@ def update_places(config: Config, *, keep: bool) -> list[str]:
     return [o.optimizer_offload_update_on]
   auto = dataclasses.replace(config, optimizer=dataclasses.replace(
       o, optimizer_offload_update_on="auto"))
-  return [p for p in candidate_places(auto) if p in PLACES]
+  return [p for p in candidate_places(auto, moment_dtypes(auto)) if p in PLACES]
 
 
 def search(ladders: list[Ladder], budgets: Budgets) -> tuple[Optional[Candidate], list[Candidate]]:

@@ -19,7 +19,8 @@ from jaxoffload.plan.step_time import Calibration, moved_copies, predict_s
 from jaxoffload.train import host_memory
 from jaxoffload.train.config import Config, ConfigError
 from jaxoffload.train.loading import override
-from jaxoffload.train.resolve import Setup, resolve
+from jaxoffload.train.resolve import resolve
+from jaxoffload.train.setup import Setup
 from jaxoffload.train.step import Trainer, resident_device_bytes
 
 DEVICE_HEADROOM = 0.05  # XLA's estimate leaves out fragmentation and the runtime's own use.

@@ -18,9 +18,10 @@ from jaxoffload.plan.step_time import Calibration
 from jaxoffload.plan.timing import calibrate
 from jaxoffload.train import host_memory
 from jaxoffload.train.config import Config, ConfigError
+from jaxoffload.train.implied import moment_dtypes
 from jaxoffload.train.loading import override
 from jaxoffload.train.offload_choice import kernel_formats
-from jaxoffload.train.rules import GRAD_SUMS_PLACES, moment_dtypes
+from jaxoffload.train.rules import GRAD_SUMS_PLACES
 
 # Adam's moments in the storages the planner falls back to, smallest last, where the
 # config's own fit nowhere: bfloat16 (rounded stochastically), then 8-bit blocks.
@@ -125,7 +126,8 @@ def plan(config: Config, budgets: Budgets, *, explore: bool = True, compact: boo
   baseline = host_rss_bytes() or 0  # What a run holds before its state, as the guard counts.
   log(host_column(baseline))
   seconds = {"start": time.perf_counter()}
-  machine = machine or pricing.measure_machine(formats=kernel_formats(config))
+  formats = kernel_formats(config, moment_dtypes(config))
+  machine = machine or pricing.measure_machine(formats=formats)
   seconds["measuring the link and the host kernel"] = time.perf_counter()
   settings = activation_settings(config) if explore else {"as configured": []}
   sizes = _micro_batch_sizes(config) if explore else [config.train.micro_batch_size]

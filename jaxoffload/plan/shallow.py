@@ -19,7 +19,8 @@ from typing import Optional, Sequence
 from jaxoffload.plan.compiling import Peaks
 from jaxoffload.train.config import Config, ConfigError, ModelConfig
 from jaxoffload.train.loading import override
-from jaxoffload.train.resolve import Setup, resolve
+from jaxoffload.train.resolve import resolve
+from jaxoffload.train.setup import Setup
 from jaxoffload.train.step import Trainer, resident_device_bytes
 
 # The depths compiled: deep enough that XLA's offload copies reach the schedule they keep in

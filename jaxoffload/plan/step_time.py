@@ -40,12 +40,12 @@ import jax
 
 from jaxoffload.host import pricing
 from jaxoffload.memory import offloaded_activation_bytes
-from jaxoffload.train import rules
+from jaxoffload.train import implied
 from jaxoffload.train.config import Config
 from jaxoffload.train.offload_choice import price_updates
 from jaxoffload.train.per_layer.moved import PROGRAMS_AHEAD
 from jaxoffload.train.per_layer.offloaded_layers import offloaded_group_bytes
-from jaxoffload.train.resolve import Setup
+from jaxoffload.train.setup import Setup
 
 # Bytes the device's AdamW reads and writes per element: the weight, the gradient
 # and both moments read, the weight and moments written (float32).
@@ -106,14 +106,14 @@ def _offload_mode(config: Config) -> str:
   parts = [f"offload {m.cpu_offloading_policy}" if m.cpu_offloading_activations else "recompute"]
   if m.cpu_offloading_weights:
     parts.append("weights")
-  if rules.moves_activations(config):
+  if implied.moves_activations(config):
     parts.append("moved by the trainer")
   return " + ".join(parts)
 
 
 def _moved_mode(config: Config) -> Optional[str]:
   """The offloaded layers' setting where the trainer moves their activations, else None."""
-  moved = rules.moves_activations(config) and config.model.cpu_offloading_num_layers > 0
+  moved = implied.moves_activations(config) and config.model.cpu_offloading_num_layers > 0
   return _offload_mode(config) if moved else None
 
 
@@ -207,7 +207,7 @@ def predict_s(setup: Setup, calibration: Optional[Calibration], machine: pricing
               + on_device * _ADAM_BYTES_PER_ELEMENT / calibration.device_bandwidth)
   if setup.offload is not None:
     place = config.optimizer.optimizer_offload_update_on
-    total += price_updates(config, setup.offload, machine,
+    total += price_updates(config, setup.implied, setup.offload, machine,
                            host_kernel=place == "host_kernel").predicted_s[place]
   if setup.sums_on_host and machine.sum_rate:
     host = sum(n for n, off in zip(elements, offloaded) if off)

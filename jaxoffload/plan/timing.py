@@ -30,7 +30,8 @@ from jaxoffload.train import host_memory
 from jaxoffload.train.config import Config, ConfigError
 from jaxoffload.train.grads import loss_and_grads
 from jaxoffload.train.loading import override
-from jaxoffload.train.resolve import Setup, resolve
+from jaxoffload.train.resolve import resolve
+from jaxoffload.train.setup import Setup
 from jaxoffload.train.weights import targets
 
 _COPY_BYTES = 256 * 2**20

@@ -8,7 +8,8 @@ run needs, ``Trainer`` holds the placed state and the jitted step, and
 from jaxoffload.train.config import Config, ConfigError
 from jaxoffload.train.loading import load_config
 from jaxoffload.train.loop import Run, run, train
-from jaxoffload.train.resolve import Setup, resolve
+from jaxoffload.train.resolve import resolve
+from jaxoffload.train.setup import Setup
 from jaxoffload.train.step import Trainer
 
 __all__ = ["Config", "ConfigError", "Run", "Setup", "Trainer", "load_config", "resolve", "run",

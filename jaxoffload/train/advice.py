@@ -7,7 +7,8 @@ Pure functions of a ``Config`` and the backend's name (``jax.default_backend()``
 from __future__ import annotations
 
 from jaxoffload.train.config import Config, ConfigError
-from jaxoffload.train.rules import ATTENTION_IMPLEMENTATIONS, micro_batches
+from jaxoffload.train.implied import micro_batches
+from jaxoffload.train.rules import ATTENTION_IMPLEMENTATIONS
 
 # The keys that only shape an offload, by section, and the switch without which they do
 # nothing. (The fraction and the layer count are refused instead: rules.)
@@ -56,8 +57,8 @@ def warnings(config: Config, backend: str) -> list[str]:
 
 def unrolled_recompute(config: Config, backend: str, runs_per_layer: bool) -> list[str]:
   """A warning where XLA's unrolled one program takes back the memory that recompute and
-  activation offload would free: XLA schedules its recomputation early (measured on GPU
-  and CPU; docs/performance.md#activation-offload); a program per layer keeps them."""
+  activation offload would free: XLA schedules its recomputation early
+  (docs/performance.md#activation-offload); a program per layer keeps them."""
   m = config.model
   inside = m.recompute_granularity is not None or (
       m.cpu_offloading and m.cpu_offloading_activations)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jaxoffload.memory import available, size
 from jaxoffload.train import advice
 from jaxoffload.train.config import ConfigError
-from jaxoffload.train.resolve import Setup
+from jaxoffload.train.setup import Setup
 from jaxoffload.train.step import Trainer, resident_device_bytes
 
 

@@ -27,7 +27,7 @@ from jaxoffload.train import weights as weights_
 from jaxoffload.train.checkpoints import checkpoint_dir, host_checkpoint
 from jaxoffload.train.config import ConfigError
 from jaxoffload.train.per_layer.overlap import GRADIENT_BYTES_AHEAD
-from jaxoffload.train.resolve import Setup
+from jaxoffload.train.setup import Setup
 
 # XLA's pinned host allocator holds more than the arrays in it, and JAX's
 # runtime (with the CUDA libraries it loads), the compiler and the data need some

@@ -12,8 +12,10 @@ import jax
 
 from jaxoffload.train import host_memory
 from jaxoffload.train.config import Config
+from jaxoffload.train.implied import moment_dtypes
 from jaxoffload.train.offload_choice import candidate_places, settled
-from jaxoffload.train.resolve import Setup, abstract_setup
+from jaxoffload.train.resolve import abstract_setup
+from jaxoffload.train.setup import Setup
 
 # The pinned pool's size in GiB that size_pinned_pool set for this process, if it did.
 sized_pinned_pool_gib: Optional[int] = None
@@ -88,7 +90,7 @@ def _choices(config: Config) -> list[Config]:
   if o.optimizer_offload_fraction == "auto":
     config = dataclasses.replace(config, optimizer=dataclasses.replace(
         o, optimizer_offload_fraction=1.0))
-  return [settled(config, place) for place in candidate_places(config)]
+  return [settled(config, place) for place in candidate_places(config, moment_dtypes(config))]
 
 
 def _pool_bytes(setup: Setup) -> int:

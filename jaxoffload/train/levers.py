@@ -22,7 +22,8 @@ from jaxoffload.nn import layered, remat
 from jaxoffload.nn.model import group_name
 from jaxoffload.train.config import ConfigError
 from jaxoffload.train.loading import override
-from jaxoffload.train.resolve import Setup, variant
+from jaxoffload.train.resolve import variant
+from jaxoffload.train.setup import Setup
 from jaxoffload.train.step import Trainer, resident_device_bytes
 
 # Levers named by their key alone: their figure is at half the run's value.

@@ -27,8 +27,8 @@ RUN_FIELDS = ("dtype", "params_dtype", "seq_length", "attention_implementation",
 
 # Keys jaxoffload no longer has, and why: a config naming one is refused with the reason,
 # not a guess at the nearest key.
-_DELAYED_UPDATE = ("a one-step-delayed host update trained 0.85 nats behind exact Adam after 300 "
-                   "steps; the exact host kernel overlaps the next step's forward pass instead "
+_DELAYED_UPDATE = ("a one-step-delayed host update is not Adam's; the exact host kernel "
+                   "overlaps the next step's forward pass instead "
                    "(docs/performance.md#optimizer-offload)")
 REMOVED_KEYS = {
     **{f"optimizer.{key}": _DELAYED_UPDATE for key in (

@@ -18,7 +18,8 @@ from jaxoffload.train import (advice, device_memory, host_memory, launch,
 from jaxoffload.train.checkpoints import checkpoint_dir
 from jaxoffload.train.checkpoints import saves as ckpt
 from jaxoffload.train.config import Config
-from jaxoffload.train.resolve import Setup, resolve
+from jaxoffload.train.resolve import resolve
+from jaxoffload.train.setup import Setup
 from jaxoffload.train.step import Trainer
 
 Log = Callable[[str], None]

@@ -16,8 +16,9 @@ from jax.experimental import multihost_utils
 from jaxoffload.host import pricing
 from jaxoffload.host.kernel_state import moment_bytes
 from jaxoffload.optim.offload_plan import OffloadPlan
-from jaxoffload.train import metrics, rules
+from jaxoffload.train import metrics
 from jaxoffload.train.config import Config
+from jaxoffload.train.implied import Implied
 
 # The share of the device's peak a forward pass is priced at, where the host kernel's update
 # hides under it: about the MFU of the trainer's own baselines
@@ -37,22 +38,24 @@ def forward_seconds(config: Config) -> float:
   return flops / (peak * _FORWARD_MFU)
 
 
-def overlap_seconds(config: Config) -> float:
-  """About how much device time a step of ``config`` hides the host kernel's update under:
+def overlap_seconds(config: Config, derived: Implied) -> float:
+  """About how much device time a step of ``config`` (which implies ``derived``) hides the
+  host kernel's update under:
   the next forward pass of the first micro-batch where the trainer overlaps them
   (``train.per_layer.overlap``), and unclipped the last micro-batch's backward pass too; 0 where it
   does not overlap."""
-  if not rules.host_update_overlaps(config):
+  if not derived.host_update_overlaps:
     return 0.0
   # The backward pass does twice the forward's work. Clipped, priced as if every step
   # clipped: a speculated update starts earlier only after a step that did not.
-  return (forward_seconds(config) / rules.micro_batches(config)
-          * (1 if rules.clips_gradients(config) else 3))
+  return (forward_seconds(config) / derived.micro_batches
+          * (1 if derived.clips_gradients else 3))
 
 
-def price_updates(config: Config, offload: OffloadPlan, machine: pricing.Machine, *,
-                  host_kernel: bool) -> pricing.Choice:
-  """What each exact update placement adds to a step of ``config`` with ``offload``, on
+def price_updates(config: Config, derived: Implied, offload: OffloadPlan,
+                  machine: pricing.Machine, *, host_kernel: bool) -> pricing.Choice:
+  """What each exact update placement adds to a step of ``config`` (which implies
+  ``derived``) with ``offload``, on
   ``machine`` (the host kernel priced only where ``host_kernel`` and the config allow it,
   with the transfer dtype it would take, and under the device work the trainer would
   overlap it with, ``overlap_seconds``)."""
@@ -65,13 +68,13 @@ def price_updates(config: Config, offload: OffloadPlan, machine: pricing.Machine
   wire = jnp.dtype(transfer_dtype(config, "host_kernel")).itemsize
   return pricing.choose(
       machine, offloaded_elements=per_device,
-      moment_bytes_per_element=sum(moment_bytes(d) for d in rules.moment_dtypes(config)),
+      moment_bytes_per_element=sum(moment_bytes(d) for d in derived.moment_dtypes),
       transfer_bytes_per_element=wire,
       weight_bytes_per_element=(None if o.store_param_remainders
                                 else jnp.dtype(config.model.params_dtype).itemsize),
       local_elements=per_device * local_devices,
       host_kernel=host_kernel,
-      overlap_s=overlap_seconds(config))
+      overlap_s=overlap_seconds(config, derived))
 
 
 def transfer_dtype(config: Config, place: str) -> str:
@@ -84,15 +87,15 @@ def transfer_dtype(config: Config, place: str) -> str:
   return "bfloat16" if place == "host_kernel" and config.model.dtype == "bfloat16" else "float32"
 
 
-def kernel_formats(config: Config) -> pricing.KernelFormats:
+def kernel_formats(config: Config, moments: tuple[str, str]) -> pricing.KernelFormats:
   """How the host kernel would store ``config``'s leaves: gradients as they travel, float32
   masters split where the device reads them in bfloat16 (``store_param_remainders``), and
-  the moments' dtypes."""
+  the moments in their dtypes (``moments``)."""
   wire = transfer_dtype(config, "host_kernel")
   split = wire == "bfloat16" and config.optimizer.store_param_remainders
   weights = ("bfloat16" if config.model.params_dtype == "bfloat16" else
              "split" if split else "float32")
-  return pricing.KernelFormats(wire, weights, *rules.moment_dtypes(config))
+  return pricing.KernelFormats(wire, weights, *moments)
 
 
 def settled(config: Config, place: str) -> Config:
@@ -102,20 +105,21 @@ def settled(config: Config, place: str) -> Config:
       offload_transfer_dtype=transfer_dtype(config, place)))
 
 
-def candidate_places(config: Config) -> tuple[str, ...]:
-  """The placements ``config``'s offloaded state may update on: its own, or for auto the
+def candidate_places(config: Config, moments: tuple[str, str]) -> tuple[str, ...]:
+  """The placements ``config``'s offloaded state (its moments in ``moments``) may update
+  on: its own, or for auto the
   host kernel (where numba is installed) and the device's stream, which cannot keep 8-bit
   blocks (rules: the host's XLA computation stands in without numba)."""
   place = config.optimizer.optimizer_offload_update_on
   if place != "auto":
     return (place,)
   kernel = importlib.util.find_spec("numba") is not None
-  if "int8" in rules.moment_dtypes(config):
+  if "int8" in moments:
     return ("host_kernel" if kernel else "host",)
   return ("device", "host_kernel") if kernel else ("device",)
 
 
-def resolve_update_place(config: Config, offload: Optional[OffloadPlan]
+def resolve_update_place(config: Config, derived: Implied, offload: Optional[OffloadPlan]
                           ) -> tuple[Config, Optional[pricing.Choice]]:
   """``config`` with ``optimizer_offload_update_on=auto`` replaced by the exact placement this
   machine runs fastest, and that choice, and ``offload_transfer_dtype=auto`` by the dtype
@@ -123,11 +127,11 @@ def resolve_update_place(config: Config, offload: Optional[OffloadPlan]
   ``config`` unchanged."""
   if offload is None:
     return config, None
-  places = candidate_places(config)
+  places = candidate_places(config, derived.moment_dtypes)
   if len(places) == 1:
     return settled(config, places[0]), None
-  choice = price_updates(config, offload,
-                         pricing.measure_machine(formats=kernel_formats(config)),
+  formats = kernel_formats(config, derived.moment_dtypes)
+  choice = price_updates(config, derived, offload, pricing.measure_machine(formats=formats),
                          host_kernel="host_kernel" in places)
   if jax.process_count() > 1:
     # Every process must build the same program: process 0's choice holds.

@@ -20,7 +20,7 @@ from jaxoffload._compat import DEVICE_KIND, PINNED_HOST
 from jaxoffload.host.host_adamw import HostAdamW
 from jaxoffload.optim import blockwise
 from jaxoffload.optim.offload_plan import leaf_path
-from jaxoffload.train.resolve import Setup
+from jaxoffload.train.setup import Setup
 
 
 def optimizer(setup: Setup) -> optax.GradientTransformation:

@@ -29,7 +29,7 @@ from jaxoffload.train.grads import (add_to_sum, loss_and_grads,
                                     mean_loss_and_grads, micro_batch)
 from jaxoffload.train.optimizer import (device_shapes, optimizer,
                                         state_shardings)
-from jaxoffload.train.resolve import Setup
+from jaxoffload.train.setup import Setup
 
 
 class StepPrograms:

@@ -29,7 +29,7 @@ from jaxoffload.train.optimizer import (Moments, device_shapes, host_adamw,
                                         value_targets)
 from jaxoffload.train.per_layer.overlap import OverlappedStep
 from jaxoffload.train.programs import StepPrograms
-from jaxoffload.train.resolve import Setup
+from jaxoffload.train.setup import Setup
 
 # A checkpoint's trees of the parameters' structure, whatever the setting.
 STATE_ITEMS = ("params", "mu", "nu")

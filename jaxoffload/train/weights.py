@@ -17,12 +17,12 @@ from jaxoffload import hf
 from jaxoffload.hf.config import CheckpointError
 from jaxoffload.nn.model import Llama
 from jaxoffload.nn.params import abstract_params
-from jaxoffload.train import rules
+from jaxoffload.train import implied
 from jaxoffload.train.checkpoints import checkpoint_meta, reader
 from jaxoffload.train.checkpoints import saves as ckpt
 from jaxoffload.train.config import ConfigError
 from jaxoffload.train.loading import config_from_dict
-from jaxoffload.train.resolve import Setup
+from jaxoffload.train.setup import Setup
 
 
 def initial(setup: Setup) -> Optional[Any]:
@@ -59,7 +59,7 @@ def run_params(path: str) -> tuple[Any, Any]:
   onto the CPU."""
   checkpoints, step = checkpoint_meta.locate(path)
   config = config_from_dict(checkpoint_meta.read_meta(checkpoints, step)["config"])
-  shapes = abstract_params(Llama(config.model.llama(), rules.layer_groups(config)),
+  shapes = abstract_params(Llama(config.model.llama(), implied.layer_groups(config)),
                            jnp.zeros((1, 2), jnp.int32))
   cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
   # Read leaf by leaf: the host kernel's leaves are files of their own (train.host_checkpoint).

@@ -21,7 +21,7 @@ from jax.experimental import multihost_utils
 from jaxoffload.memory import size
 from jaxoffload.train.checkpoints import claims
 from jaxoffload.train.config import Config, ConfigError
-from jaxoffload.train.resolve import Setup
+from jaxoffload.train.setup import Setup
 
 
 def made(path: str) -> str:

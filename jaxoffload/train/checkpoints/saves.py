@@ -27,14 +27,14 @@ from typing import Any, Callable, Iterator, Optional
 import orbax.checkpoint as ocp
 
 from jaxoffload.nn.model import LlamaConfig
-from jaxoffload.train import rules
+from jaxoffload.train import implied
 from jaxoffload.train.checkpoints import (checkpoint_dir, host_checkpoint,
                                           reader)
 from jaxoffload.train.checkpoints.checkpoint_meta import read_meta
 from jaxoffload.train.config import Config, ConfigError
 from jaxoffload.train.loading import RUN_FIELDS, config_from_dict
-from jaxoffload.train.resolve import Setup
 from jaxoffload.train.schedule import learning_rate
+from jaxoffload.train.setup import Setup
 from jaxoffload.train.step import STATE_ITEMS, Moments, Trainer
 
 
@@ -150,7 +150,7 @@ def read(checkpoints: ocp.CheckpointManager, step: int, setup: Setup) -> tuple[A
 
 def layer_ranges(config: Config) -> list[range]:
   """The layers of each of ``config``'s layer groups: how its checkpoints cut the stacks."""
-  return [range(g.start, g.stop) for g in rules.layer_groups(config)]
+  return [range(g.start, g.stop) for g in implied.layer_groups(config)]
 
 
 def restore_newest(checkpoints: ocp.CheckpointManager, setup: Setup,

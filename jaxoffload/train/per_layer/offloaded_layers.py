@@ -43,7 +43,7 @@ from jaxoffload._compat import to_host
 from jaxoffload.nn import layered
 from jaxoffload.nn.model import group_name
 from jaxoffload.train.per_layer.moved import layer_to_device, pinned_views
-from jaxoffload.train.resolve import Setup
+from jaxoffload.train.setup import Setup
 
 
 def adamw_layer(adamw: optax.GradientTransformation, weights: list, grads: list, mu: list,

@@ -98,7 +98,7 @@ def test_the_trainer_prices_the_overlap_where_it_overlaps(monkeypatch):
 
   def host_kernel_s(*more):
     setup = resolve(load_config(None, [*base, *more]))
-    return price_updates(setup.config, setup.offload, H200, host_kernel=True
+    return price_updates(setup.config, setup.implied, setup.offload, H200, host_kernel=True
                          ).predicted_s["host_kernel"]
 
   # The tiny model's forward pass is far shorter than its kernel time: all of it is saved.
