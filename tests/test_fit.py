@@ -191,7 +191,7 @@ def test_a_combination_the_rules_refuse_at_every_fraction_is_a_row_that_says_why
   # A micro-batch the global batch of 8 does not divide into.
   ladder = Ladder(load_config(None), "as configured", ["train.micro_batch_size=3"],
                       ("device", None), MACHINE, None, 0)
-  row = ladder.least(Budgets(None, 10**12))
+  row = ladder.least_fitting(Budgets(None, 10**12))
   assert row.verdict.startswith("refused: train.global_batch_size")
   best, rows = fit.search([ladder], Budgets(None, 10**12))
   assert best is None and [r.verdict for r in rows] == [row.verdict]
@@ -209,14 +209,14 @@ class _FakeLadder:
     return Candidate(self.name, 4, 0.5, "host_kernel", "-", "float32", 0.5, None, 0,
                          step_s, (self.name,), verdict)
 
-  def least(self, budgets):
+  def least_fitting(self, budgets):
     return self.row(self.times[0])
 
   def predict(self, budgets, device_bytes):
     self.calls.append((self.name, "most offload"))
     return self.row(self.times[1])
 
-  def bound(self):
+  def time_bound(self):
     return self.times[1]
 
   def verify(self, budgets, device_bytes):

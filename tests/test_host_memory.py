@@ -14,7 +14,7 @@ from jaxoffload.train.config import ConfigError
 from jaxoffload.train.host_memory import available, check, needed
 from jaxoffload.train.loading import override
 from jaxoffload.train.per_layer.offloaded_layers import offloaded_group_bytes
-from jaxoffload.train.resolve import variant
+from jaxoffload.train.resolve import resolve_like
 
 OFFLOAD = ["optimizer.optimizer_cpu_offload=True", "optimizer.optimizer_offload_fraction=1.0",
            "optimizer.optimizer_offload_update_on=device"]
@@ -74,7 +74,7 @@ def test_weights_updated_a_layer_at_a_time_hold_nothing_beside_their_stack():
   assert needed(unclipped).held["offloaded weights"] == stack  # Written into it in place.
   assert offloaded_group_bytes(unclipped)[1] == 0  # Nothing crosses whole for the update.
   # Clipped, the update needs the global norm first: the whole group over and back.
-  clipped = variant(unclipped, override(unclipped.config, ["optimizer.clip_grad=1"]))
+  clipped = resolve_like(unclipped, override(unclipped.config, ["optimizer.clip_grad=1"]))
   assert clipped.weights_updated_by_layer == set()
   assert needed(clipped).held["offloaded weights"] == 2 * stack
   assert offloaded_group_bytes(clipped)[1] == stack
@@ -328,7 +328,7 @@ def test_a_refusal_names_each_lever_once_and_none_at_its_limit():
     check(setup)
   levers = str(refused.value).split("; lower it with ")[1].split(", or raise ")[0]
   # Each with what the run would need once it is set: the guard's own arithmetic.
-  need = lambda setting: needed(variant(setup, override(setup.config, [setting]))).total
+  need = lambda setting: needed(resolve_like(setup, override(setup.config, [setting]))).total
   half, summed_on_device, bf16_masters = (need(setting) for setting in (
       "optimizer.optimizer_offload_fraction=0.5", "optimizer.accumulate_offloaded_grads_on=device",
       "model.params_dtype=bfloat16"))

@@ -21,7 +21,7 @@ def test_a_ladder_whose_offload_the_rules_refuse_says_why_at_its_own_micro_batch
                               "model.cpu_offloading_double_buffering=True"])
   ladder = Ladder(config, "moved", ["train.micro_batch_size=2"], ("host_kernel", "host"),
                       MACHINE, None, 0)
-  row = ladder.least(Budgets(device=10**12, host=10**12))
+  row = ladder.least_fitting(Budgets(device=10**12, host=10**12))
   assert row.micro_batch_size == 2
   assert row.verdict.startswith("refused: model.cpu_offloading_double_buffering=True runs the "
                                 "model a program per layer: with several micro-batches")
@@ -37,7 +37,7 @@ def test_a_moved_ladders_peak_counts_the_originals_the_link_leaves_on_the_device
   # A link fast enough to keep up, and one so slow that no copy out ends in the step.
   for machine in (MACHINE, dataclasses.replace(MACHINE, device_to_host=1.0, host_to_device=1.0)):
     ladder = Ladder(config, "moved", [], ("device", None), machine, CALIBRATION, 0)
-    ladder.least(budgets)
+    ladder.least_fitting(budgets)
     with Peaks() as compiled:
       ladder.predict(budgets, compiled)
       peaks.append(ladder.verify(budgets, compiled).device_bytes)
@@ -68,7 +68,7 @@ def test_a_ladder_predicts_its_peak_from_two_shallow_depths_then_compiles_where_
   ladder = Ladder(config, "as configured", [], ("device", None), MACHINE, None, 0)
   budgets = Budgets(device=int(peak(ladder.resident_bytes(0) * 0.6, 8) / 0.95),
                         host=10**12)
-  assert ladder.least(budgets).verdict == ""
+  assert ladder.least_fitting(budgets).verdict == ""
   with Peaks(threads=1) as peaks:
     assert ladder.predict(budgets, peaks).verdict == ""  # Predicted, not yet compiled.
     # The most offload at 2 and 4 layers; the whole model not yet.
@@ -100,9 +100,9 @@ def test_each_phase_of_a_step_is_drawn_to_the_models_depth_on_its_own(monkeypatc
   config = load_config(None, ["train.global_batch_size=4", "train.micro_batch_size=4",
                               "model.num_layers=8"])
   ladder = Ladder(config, "as configured", [], ("device", None), MACHINE, None, 0)
-  ladder.least(Budgets(device=10**12, host=10**12))
+  ladder.least_fitting(Budgets(device=10**12, host=10**12))
   with Peaks(threads=1) as peaks:
-    assert ladder.others(peaks) == 3 * 10**6 * 8 + 10**6
+    assert ladder.transient_bytes(peaks) == 3 * 10**6 * 8 + 10**6
 
 
 def test_a_partial_offload_is_drawn_between_none_and_most_offloaded_from_their_compiles(
@@ -126,8 +126,9 @@ def test_a_partial_offload_is_drawn_between_none_and_most_offloaded_from_their_c
     for name, layers in [("offload qkv, 4 layers", 4), ("offload qkv, 7 layers", 7),
                          ("save everything", 0)]:
       ladder = Ladder(config, name, settings[name], ("device", None), MACHINE, None, 0)
-      ladder.least(Budgets(device=10**12, host=10**12))
-      assert ladder.others(peaks) == 3 * 10**6 * (8 - layers) + 10**6 * layers + TEMPORARIES
+      ladder.least_fitting(Budgets(device=10**12, host=10**12))
+      want = 3 * 10**6 * (8 - layers) + 10**6 * layers + TEMPORARIES
+      assert ladder.transient_bytes(peaks) == want
   # The partial offload's lines are the others' own: each shallow model compiled once.
   assert sorted(compiled) == sorted([(depth, offloaded) for depth in shallow.SHALLOW
                                      for offloaded in (0, depth - 1)])
@@ -198,7 +199,7 @@ def test_a_setting_the_line_rules_out_is_compiled_whole_before_it_is(monkeypatch
                               "model.num_layers=8"])
   ladder = Ladder(config, "as configured", [], ("device", None), MACHINE, None, 0)
   budgets = Budgets(device=int((ladder.resident_bytes(0) + 10**6) / 0.95), host=10**12)
-  ladder.least(budgets)
+  ladder.least_fitting(budgets)
   with Peaks(threads=1) as peaks:
     assert ladder.predict(budgets, peaks).verdict == ""  # A guess, not "no: device".
     row = ladder.verify(budgets, peaks)
@@ -218,9 +219,9 @@ def test_the_line_through_two_shallow_depths_predicts_the_whole_models_compiled_
   setting = "offload qkv, 7 layers"
   overrides = search.activation_settings(config, backend="gpu")[setting]
   ladder = Ladder(config, setting, list(overrides), ("host_kernel", "host"), MACHINE, None, 0)
-  assert ladder.least(Budgets(device=10**12, host=10**13)).verdict == ""
+  assert ladder.least_fitting(Budgets(device=10**12, host=10**13)).verdict == ""
   with Peaks() as peaks:
-    predicted = ladder.others(peaks)
-    compiled = max(peaks.get(ladder.judge(ladder.steps)[0])) - ladder.resident_bytes(
+    predicted = ladder.transient_bytes(peaks)
+    compiled = max(peaks.get(ladder.candidate(ladder.steps)[0])) - ladder.resident_bytes(
         ladder.steps)
   assert predicted == pytest.approx(compiled, rel=0.005)

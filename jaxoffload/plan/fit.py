@@ -117,7 +117,7 @@ def search(ladders: list[Ladder], budgets: Budgets) -> tuple[Optional[Candidate]
 
   Best first, by a bound on each ladder's step time that tightens as it is compiled: at
   first its least fraction whose state alone fits (found without compiling); once its
-  most offload's peak is predicted (``Ladder.others``: compiled at two shallow depths),
+  most offload's peak is predicted (``Ladder.transient_bytes``: compiled at two shallow depths),
   a layer-sized step below where that peak predicts the least fit, or below the most
   offload where it predicts none (``Ladder.predict``: a bound if the prediction errs by no
   more than that step); then the fit itself, compiled there (``Ladder.verify``; where the
@@ -127,7 +127,7 @@ def search(ladders: list[Ladder], budgets: Budgets) -> tuple[Optional[Candidate]
   ladders in line would compile first is compiled on other threads (``compiling.Peaks``):
   the outcome is the same.
   """
-  rows = {n: ladder.least(budgets) for n, ladder in enumerate(ladders)}
+  rows = {n: ladder.least_fitting(budgets) for n, ladder in enumerate(ladders)}
   best, ruled_out = None, []  # Ladders whose most offload, compiled whole, did not fit.
   faster = lambda row: row.verdict == "fits" and (best is None or row.step_s < best.step_s)
   held_more = lambda n: next(
@@ -160,7 +160,7 @@ def search(ladders: list[Ladder], budgets: Budgets) -> tuple[Optional[Candidate]
       else:
         rows[n] = ladder.predict(budgets, peaks)
         if not rows[n].verdict:  # Predicted where the device's budget is known.
-          heapq.heappush(queue, (ladder.bound(), n, True))
+          heapq.heappush(queue, (ladder.time_bound(), n, True))
         best = rows[n] if faster(rows[n]) else best
   # Without offload, both placements are one setting: its row once, the pick's where it is.
   unique = {}

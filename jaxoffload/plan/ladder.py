@@ -82,7 +82,7 @@ class Budgets:
 
 class Ladder:
   """One combination's candidates by offload fraction, ``k / num_layers``, resolved when
-  asked for; ``least``, ``predict`` and ``verify`` search them (the device's bytes fall
+  asked for; ``least_fitting``, ``predict`` and ``verify`` search them (the device's bytes fall
   and the host's rise as the fraction does). Its ``place`` is the update placement and where
   the host kernel's leaves' gradients are summed (None: as the config says)."""
 
@@ -101,7 +101,7 @@ class Ladder:
     self._beyond = False  # or the most offload, where it found none.
     self._lines: Optional[list[shallow.Pair]] = None  # ``shallow.versions``, once found.
 
-  def judge(self, step: int) -> Optional[tuple[Setup, Candidate]]:
+  def candidate(self, step: int) -> Optional[tuple[Setup, Candidate]]:
     """Step ``step``'s setup and candidate (not compiled); None where a rule refuses it."""
     if step not in self._setups:
       fraction = step / self.steps
@@ -121,15 +121,15 @@ class Ladder:
           predict_s(setup, self.calibration, self.machine), tuple(overrides))
     return self._setups[step]
 
-  def least(self, budgets: Budgets) -> Candidate:
+  def least_fitting(self, budgets: Budgets) -> Candidate:
     """The least offload whose state alone fits both budgets, found without compiling (its
     verdict empty); or, with its verdict, why none does."""
-    resident_fits = lambda step: self.judge(step) is not None and (
+    resident_fits = lambda step: self.candidate(step) is not None and (
         budgets.device is None
         or self.resident_bytes(step) <= (1 - DEVICE_HEADROOM) * budgets.device)
     self._least = _first(0, self.steps, resident_fits)
     if self._least is None:
-      most = self.judge(self.steps)
+      most = self.candidate(self.steps)
       if most is None:  # Its offload refused: a row that says why, never compiled. (Without
         # offload it is another placement's setting.)
         sizes = [o.split("=")[1] for o in self.base if o.startswith("train.micro_batch_size=")]
@@ -138,36 +138,37 @@ class Ladder:
                          math.inf, tuple(self.base + offload_overrides(1.0, *self.place)),
                          f"refused: {self._refusal}")
       return dataclasses.replace(most[1], verdict="no: device (its state alone)")
-    candidate = self.judge(self._least)[1]
+    candidate = self.candidate(self._least)[1]
     return candidate if budgets.fits_host(candidate) else dataclasses.replace(
         candidate, verdict="no: host")
 
   def predict(self, budgets: Budgets, peaks: Peaks) -> Candidate:
-    """The least offload that the most offload's predicted peak (``others``) predicts to fit
-    the device, not yet compiled (its verdict empty; ``bound``, ``verify``); where none is
-    predicted to, the most offload, compiled only if ``verify`` is reached (its ``bound``,
+    """The least offload that the most offload's predicted peak (``transient_bytes``) fits
+    the device, not yet compiled (its verdict empty; ``time_bound``, ``verify``); where none is
+    predicted to, the most offload, compiled only if ``verify`` is reached (its ``time_bound``,
     a layer-sized step below it, may already be slower than the pick). What the step holds
-    beyond its resident state (activations, gradients, temporaries: ``others``), with
+    beyond its resident state (activations, gradients, temporaries: ``transient_bytes``), with
     another fraction's resident state, predicts that fraction's peak. ``peaks`` holds the
     device peaks compiled so far and gets this ladder's. Where the device's budget is
     unknown (CPUs) nothing is compiled: the least offload, judged by the host alone."""
     if budgets.device is None:  # No budget to judge a peak against: the least offload wins.
-      candidate = self.judge(self._least)[1]
+      candidate = self.candidate(self._least)[1]
       return dataclasses.replace(candidate, verdict="fits" if budgets.fits_host(candidate)
                                  else "no: host")
     self._compiled = {}
-    self._guess = self._predicted_fit(budgets, self.others(peaks))
+    self._guess = self._predicted_fit(budgets, self.transient_bytes(peaks))
     self._beyond = self._guess is None
     if self._beyond:
       self._guess = self.steps
-    return self.judge(self._guess)[1]
+    return self.candidate(self._guess)[1]
 
-  def _predicted_fit(self, budgets: Budgets, others: int) -> Optional[int]:
-    """The least step whose resident state and ``others`` fit the device; None if none."""
-    return _first(self._least, self.steps, lambda step: budgets.fits_device(
-        dataclasses.replace(self.judge(step)[1], device_bytes=others + self.resident_bytes(step))))
+  def _predicted_fit(self, budgets: Budgets, transient: int) -> Optional[int]:
+    """The least step whose resident state and ``transient`` bytes (``transient_bytes``) fit
+    the device; None if none."""
+    return _first(self._least, self.steps, lambda step: budgets.fits_device(dataclasses.replace(
+        self.candidate(step)[1], device_bytes=transient + self.resident_bytes(step))))
 
-  def others(self, peaks: Peaks) -> int:
+  def transient_bytes(self, peaks: Peaks) -> int:
     """What the step at the most offload holds on the device beyond its resident state,
     and the moved activations' originals the link leaves there (``step_time.moved_copies``):
     drawn from shallow versions of it (``shallow``), or compiled whole where the model is
@@ -175,13 +176,13 @@ class Ladder:
     lines = self._shallow_lines()
     if not lines:
       return self._peak(self.steps, peaks) - self.resident_bytes(self.steps)
-    return shallow.others(lines, self.judge(self.steps)[0].config.model,
+    return shallow.transient_bytes(lines, self.candidate(self.steps)[0].config.model,
                           peaks) + self._moved_bytes(self.steps)
 
   def _shallow_lines(self) -> list[shallow.Pair]:
     """The most offload's ``shallow.versions``, found once."""
     if self._lines is None:
-      setup, candidate = self.judge(self.steps)
+      setup, candidate = self.candidate(self.steps)
       self._lines = shallow.versions(self.config, candidate.overrides, setup.config.model)
     return self._lines
 
@@ -191,9 +192,9 @@ class Ladder:
     micro-batch, no smaller (and summed over micro-batches where the other's is: a step of
     one micro-batch holds no sums), and its activation offload, no larger (no more layers
     sending their activations or weights to the host, by the same policy and mover)."""
-    if self.place != other.place or self.judge(self.steps) is None:
+    if self.place != other.place or self.candidate(self.steps) is None:
       return False
-    mine, theirs = (ladder.judge(ladder.steps)[0].config for ladder in (self, other))
+    mine, theirs = (ladder.candidate(ladder.steps)[0].config for ladder in (self, other))
     neither = lambda config: dataclasses.replace(
         config, model=shallow.without_offload(config.model),
         train=dataclasses.replace(config.train, micro_batch_size=0))
@@ -208,11 +209,11 @@ class Ladder:
             and (not acts[0] or mine.model.cpu_offloading_policy
                  == theirs.model.cpu_offloading_policy))
 
-  def bound(self) -> float:
+  def time_bound(self) -> float:
     """Once ``predict`` predicted, the step time of a layer-sized step below the predicted
     fit: the least ``verify`` finds unless the prediction was cautious by more than that
     step (the peaks it predicts from grow with the fraction, so it seldom is)."""
-    return self.judge(max(self._guess - 1, self._least))[1].step_s
+    return self.candidate(max(self._guess - 1, self._least))[1].step_s
 
   def verify(self, budgets: Budgets, peaks: Peaks) -> Candidate:
     """After ``predict``: the least offload whose compiled step fits the device, and
@@ -242,10 +243,10 @@ class Ladder:
 
   def ask_ahead(self, peaks: Peaks, *, predicted: bool) -> None:
     """Starts compiling what this ladder's next judgement compiles first: its guess once
-    ``predict`` made one, else what ``others`` compiles."""
+    ``predict`` made one, else what ``transient_bytes`` compiles."""
     if predicted:
       self._ask(self._guess, peaks)
-    elif self.judge(self.steps) is not None:
+    elif self.candidate(self.steps) is not None:
       lines = self._shallow_lines()
       for pair in lines:
         for small in pair:
@@ -254,33 +255,33 @@ class Ladder:
         self._ask(self.steps, peaks)
 
   def _ask(self, step: int, peaks: Peaks) -> None:
-    judged = self.judge(step)
+    judged = self.candidate(step)
     if judged is not None:
       peaks.ask(judged[0])
 
   def _fits(self, step: int, budgets: Budgets, peaks: Peaks) -> bool:
     """Whether step ``step``'s compiled peak (``_peak``) fits the device; its row, with that
     peak, kept in ``_compiled``."""
-    self._compiled[step] = dataclasses.replace(self.judge(step)[1],
+    self._compiled[step] = dataclasses.replace(self.candidate(step)[1],
                                                device_bytes=self._peak(step, peaks))
     return budgets.fits_device(self._compiled[step])
 
   def _peak(self, step: int, peaks: Peaks) -> int:
     """Step ``step``'s compiled device peak, with the moved activations' originals that the
     link leaves on the device."""
-    return max(peaks.get(self.judge(step)[0])) + self._moved_bytes(step)
+    return max(peaks.get(self.candidate(step)[0])) + self._moved_bytes(step)
 
   def _moved_bytes(self, step: int) -> int:
     """With a calibration, the moved activations' originals of step ``step`` that the link
     leaves on the device (``step_time.moved_copies``)."""
-    moved = self.calibration and moved_copies(self.judge(step)[0], self.calibration,
+    moved = self.calibration and moved_copies(self.candidate(step)[0], self.calibration,
                                               self.machine)
     return moved.held_bytes if moved else 0
 
   def resident_bytes(self, step: int) -> int:
     """The device bytes step ``step``'s parameters and optimizer state hold between steps."""
     if step not in self._resident:
-      self._resident[step] = resident_device_bytes(Trainer.from_shapes(self.judge(step)[0]))
+      self._resident[step] = resident_device_bytes(Trainer.from_shapes(self.candidate(step)[0]))
     return self._resident[step]
 
 

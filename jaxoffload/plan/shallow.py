@@ -8,7 +8,7 @@ layers than all but the last lies between the lines of the same model with none 
 all but the last offloaded, in proportion to its offloaded layers (each holds what it holds
 in place of a saved layer's): the shallow versions of the settings that save everything and
 that offload most, compiled once for all of them (``compiling.Peaks`` keys a compile by its
-config). ``ladder.Ladder.others`` predicts its most offload's peak so.
+config). ``ladder.Ladder.transient_bytes`` predicts its most offload's peak so.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def _version(config: Config, overrides: Sequence[str], depth: int,
     return None
 
 
-def others(lines: list[Pair], model: ModelConfig, peaks: Peaks) -> int:
+def transient_bytes(lines: list[Pair], model: ModelConfig, peaks: Peaks) -> int:
   """What ``model``'s step holds on the device beyond its resident state: each phase drawn
   from ``lines`` (``versions``) to its depth, the largest."""
   for pair in lines:

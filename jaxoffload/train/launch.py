@@ -13,7 +13,7 @@ import jax
 from jaxoffload.train import host_memory
 from jaxoffload.train.config import Config
 from jaxoffload.train.implied import moment_dtypes
-from jaxoffload.train.offload_choice import candidate_places, settled
+from jaxoffload.train.offload_choice import candidate_places, with_update_place
 from jaxoffload.train.resolve import abstract_setup
 from jaxoffload.train.setup import Setup
 
@@ -90,7 +90,8 @@ def _choices(config: Config) -> list[Config]:
   if o.optimizer_offload_fraction == "auto":
     config = dataclasses.replace(config, optimizer=dataclasses.replace(
         o, optimizer_offload_fraction=1.0))
-  return [settled(config, place) for place in candidate_places(config, moment_dtypes(config))]
+  places = candidate_places(config, moment_dtypes(config))
+  return [with_update_place(config, place) for place in places]
 
 
 def _pool_bytes(setup: Setup) -> int:

@@ -22,7 +22,7 @@ from jaxoffload.nn import layered, remat
 from jaxoffload.nn.model import group_name
 from jaxoffload.train.config import ConfigError
 from jaxoffload.train.loading import override
-from jaxoffload.train.resolve import variant
+from jaxoffload.train.resolve import resolve_like
 from jaxoffload.train.setup import Setup
 from jaxoffload.train.step import Trainer, resident_device_bytes
 
@@ -156,7 +156,7 @@ def _kept_bytes(setup: Setup, group: remat.LayerGroup) -> int:
 def _with_setting(setup: Setup, setting: str) -> Setup:
   """``setup``'s run with ``setting`` made: space-separated ``key=value``s, then a note in
   parentheses or none."""
-  return variant(setup, override(setup.config, setting.split(" (")[0].split()))
+  return resolve_like(setup, override(setup.config, setting.split(" (")[0].split()))
 
 
 def _noted(setting: str, figure: str) -> str:

@@ -98,7 +98,7 @@ def kernel_formats(config: Config, moments: tuple[str, str]) -> pricing.KernelFo
   return pricing.KernelFormats(wire, weights, *moments)
 
 
-def settled(config: Config, place: str) -> Config:
+def with_update_place(config: Config, place: str) -> Config:
   """``config`` updating its offloaded state on ``place``, its transfer dtype decided."""
   return dataclasses.replace(config, optimizer=dataclasses.replace(
       config.optimizer, optimizer_offload_update_on=place,
@@ -129,7 +129,7 @@ def resolve_update_place(config: Config, derived: Implied, offload: Optional[Off
     return config, None
   places = candidate_places(config, derived.moment_dtypes)
   if len(places) == 1:
-    return settled(config, places[0]), None
+    return with_update_place(config, places[0]), None
   formats = kernel_formats(config, derived.moment_dtypes)
   choice = price_updates(config, derived, offload, pricing.measure_machine(formats=formats),
                          host_kernel="host_kernel" in places)
@@ -138,4 +138,4 @@ def resolve_update_place(config: Config, derived: Implied, offload: Optional[Off
     places = list(choice.predicted_s)
     first = multihost_utils.broadcast_one_to_all(np.int32(places.index(choice.place)))
     choice = dataclasses.replace(choice, place=places[int(first)])
-  return settled(config, choice.place), choice
+  return with_update_place(config, choice.place), choice

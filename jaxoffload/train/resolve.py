@@ -86,7 +86,7 @@ def abstract_setup(config: Config) -> Setup:
                                                          sharding.MESH_AXES))
 
 
-def variant(setup: Setup, config: Config) -> Setup:
+def resolve_like(setup: Setup, config: Config) -> Setup:
   """The ``Setup`` of ``config``, a resolved run's config with a setting changed (its
   placements named, no ``auto``), over the run's mesh, with no data: what the run would
   hold with that setting."""
