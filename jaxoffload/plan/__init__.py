@@ -26,7 +26,8 @@ own log lines are left out.
 offload alone (``jaxoffload.plan.fit``, whose ladders and search this one extends).
 """
 
-from jaxoffload.plan.fit import budgets_of, choose, fastest_offload
+from jaxoffload.plan.choose import choose
+from jaxoffload.plan.fit import budgets_of, fastest_offload
 from jaxoffload.plan.ladder import Budgets, Candidate
 from jaxoffload.plan.search import activation_settings, plan, table
 from jaxoffload.plan.step_time import Calibration, predict_s

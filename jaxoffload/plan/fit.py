@@ -20,7 +20,7 @@ from jaxoffload.memory import available, host_rss_bytes, parse_bytes
 from jaxoffload.plan.compiling import Peaks
 from jaxoffload.plan.ladder import (Budgets, Candidate, Ladder,
                                     offload_overrides)
-from jaxoffload.train import advice, host_memory
+from jaxoffload.train import host_memory
 from jaxoffload.train.config import Config, ConfigError
 from jaxoffload.train.implied import moment_dtypes
 from jaxoffload.train.loading import override
@@ -31,28 +31,16 @@ Log = Callable[[str], None]
 
 
 def budgets_of(config: Config, device_memory: Optional[int] = None) -> Budgets:
-  """This machine's budgets: the device's memory (``device_memory``, else what JAX reports;
-  None on CPUs) and the host memory left to this process (``train.host_memory_limit``, else
-  what the machine and its cgroup leave), counting what it holds now."""
+  """This machine's budgets: the device's memory (``device_memory``, else the least of
+  ``train.device_memory_limit`` and what JAX reports; None on CPUs without that limit) and
+  the host memory left to this process (``train.host_memory_limit``, else what the machine
+  and its cgroup leave), counting what it holds now."""
   limit = config.train.host_memory_limit
   host = available(None if limit is None else parse_bytes(limit))[0]
-  device = device_memory or (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+  known = [(jax.devices()[0].memory_stats() or {}).get("bytes_limit"),
+           config.train.device_memory_limit and parse_bytes(config.train.device_memory_limit)]
+  device = device_memory or min((d for d in known if d), default=None)
   return Budgets(device, host + (host_rss_bytes() or 0))
-
-
-def choose(config: Config) -> tuple[Config, tuple[str, ...]]:
-  """Settles what the trainer leaves to the planner: ``config`` with an ``auto`` offload
-  fraction replaced by ``fastest_offload``'s pick, and a line for each choice.
-
-  Example:
-    config, chosen = choose(load_config(path, overrides))
-    train(config, choices=chosen)
-  """
-  chosen = []
-  if config.optimizer.optimizer_offload_fraction == "auto":
-    advice.check_backend(config, jax.default_backend())  # Before it compiles anything.
-    config = fastest_offload(config, log=chosen.append)
-  return config, tuple(chosen)
 
 
 def fastest_offload(config: Config, log: Log = print) -> Config:

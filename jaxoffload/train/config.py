@@ -228,6 +228,14 @@ class TrainConfig:
     host_memory_limit: the host memory this process may hold, in bytes or as a
       size such as 64GB or 60GiB; null: what the machine (MemAvailable) and the
       cgroup leave. A run that would need more is refused before it allocates.
+    device_memory_limit: the device memory each device may use, in bytes or as a size
+      such as 24GB; null: the device's own (a GPU's allocator limit). The trainer refuses a
+      step whose compiled peak is above it before the first step, and the planner and the
+      bench fit settings under it: a stand-in for a smaller GPU.
+    fit: ``auto``: before the run, the planner's search (``python -m jaxoffload.plan``)
+      picks the fastest setting of the optimizer offload, the activations and the
+      micro-batch size that fits the device and the host, and the run says what it chose in
+      one line; null: the config's own settings.
     per_layer_step: run every step as a program per piece of the model
       (``jaxoffload.train.per_layer.overlap``) even where nothing needs it, to compare it with
       the one-program step (the no-offload baseline included). The host kernel's
@@ -242,6 +250,8 @@ class TrainConfig:
   micro_batch_size: int = 8
   seed: int = 0
   host_memory_limit: Optional[Union[int, str]] = None
+  device_memory_limit: Optional[Union[int, str]] = None
+  fit: Optional[str] = None
   per_layer_step: bool = False
   compilation_cache_dir: Optional[str] = "~/.cache/jaxoffload/xla"
 

@@ -1,5 +1,6 @@
-"""The device memory a step cannot do without, and the guard that refuses a shape no device
-here can hold before anything compiles.
+"""The device memory a step cannot do without, and the guards that refuse a step no device
+here can hold: by arithmetic before anything compiles (``check``), and by XLA's memory
+analysis of the compiled step before the first step runs (``check_compiled``).
 
 ``floor`` is a lower bound, not an estimate: what one device holds of the parameters and
 optimizer state between steps, and its share of the largest array one micro-batch makes
@@ -17,9 +18,9 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from jaxoffload.memory import available, size
-from jaxoffload.train import advice
-from jaxoffload.train.config import ConfigError
+from jaxoffload.memory import available, parse_bytes, size
+from jaxoffload.train import advice, levers
+from jaxoffload.train.config import Config, ConfigError
 from jaxoffload.train.setup import Setup
 from jaxoffload.train.step import Trainer, resident_device_bytes
 
@@ -56,11 +57,15 @@ def floor(setup: Setup) -> Floor:
                arrays[name] // setup.mesh.size, name)
 
 
-def capacity() -> tuple[int, str]:
-  """The bytes each local device may use, and where that figure comes from: the GPU's
-  allocator limit, or on a CPU the host memory its devices share, split among them."""
+def capacity(config: Config) -> tuple[int, str]:
+  """The bytes each local device may use, and where that figure comes from:
+  ``train.device_memory_limit`` where it is below the device's own; the GPU's allocator
+  limit; or on a CPU the host memory its devices share, split among them."""
   device = jax.local_devices()[0]
   limit = (device.memory_stats() or {}).get("bytes_limit")
+  asked = config.train.device_memory_limit
+  if asked is not None and (limit is None or parse_bytes(asked) < limit):
+    return parse_bytes(asked), f"train.device_memory_limit={asked}"
   if limit is not None:
     return limit, f"{device.device_kind}'s allocator limit"
   have, source = available(None)
@@ -74,14 +79,14 @@ def check(setup: Setup, have: Optional[tuple[int, str]] = None) -> Floor:
   Args:
     setup: the run.
     have: the bytes each device may use and where that figure comes from; default
-      ``capacity()``.
+      ``capacity``'s.
 
   Raises:
     ConfigError: one line with the floor's parts, the device's bytes and the keys that
       lower the larger part.
   """
   need = floor(setup)
-  limit, source = have or capacity()
+  limit, source = have or capacity(setup.config)
   if need.total <= limit:
     return need
   t = setup.config.train
@@ -97,3 +102,29 @@ def check(setup: Setup, have: Optional[tuple[int, str]] = None) -> Floor:
       f"parameters and optimizer state {size(need.state)}, its share of one micro-batch's "
       f"{need.activation_name} {size(need.activation)}) but has {size(limit)} ({source}); "
       f"lower it with {', '.join(keys)}")
+
+
+def check_compiled(setup: Setup, peak: int, have: Optional[tuple[int, str]] = None) -> None:
+  """Refuses a step whose compiled device peak one device cannot hold, before it runs.
+
+  Args:
+    setup: the run.
+    peak: XLA's device peak of its compiled step (``CompiledStep.device_bytes``).
+    have: the bytes each device may use and where that figure comes from; default
+      ``capacity``'s.
+
+  Raises:
+    ConfigError: one line with the peak, the device's bytes and the settings under which
+      the step, compiled again, fits (``levers.fitting_device_levers``), the lowest peak
+      first.
+  """
+  limit, source = have or capacity(setup.config)
+  if peak <= limit:
+    return
+  fitting = levers.fitting_device_levers(setup, advice.device_memory_levers(setup.config),
+                                         limit)
+  remedy = (f"it fits with {'; or '.join(fitting)}" if fitting else
+            "no one setting fits: combine them (python -m jaxoffload.plan finds one), or use "
+            "more devices (mesh.fsdp)")
+  raise ConfigError(f"device memory: the compiled step needs {size(peak)} on one device "
+                    f"(XLA's memory analysis) but it has {size(limit)} ({source}); {remedy}")

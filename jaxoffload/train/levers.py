@@ -5,7 +5,8 @@
 gives each the run's need with it set, reckoned from shapes alone, so that a
 refusal says how far each would go. ``device_figures`` does the same for the
 device levers an out-of-memory error names (``advice.device_memory_levers``):
-what each frees of ``device_need``.
+what each frees of ``device_need``; ``fitting_device_levers`` compiles each to keep those
+under which the step fits a device.
 """
 
 from __future__ import annotations
@@ -96,6 +97,22 @@ def device_figures(setup: Setup, settings: list[str]) -> list[str]:
     freed = need - device_need(other)
     out.append(_noted(setting, f"frees about {size(freed)}") if freed > 0 else setting)
   return out
+
+
+def fitting_device_levers(setup: Setup, settings: list[str], limit: int) -> list[str]:
+  """Of ``settings`` (as ``device_figures`` takes them), those under which the step,
+  compiled from shapes, peaks at most ``limit`` bytes on one device, each noted with its
+  peak, the lowest peak first; none that the config's rules refuse."""
+  peaks = {}
+  for setting in settings:
+    try:
+      other = _with_setting(setup, setting)
+    except (ConfigError, ValueError):
+      continue
+    peak = Trainer.from_shapes(other).compile(other.batch_shape).device_bytes
+    if peak <= limit:
+      peaks[_noted(setting, f"peak {size(peak)}")] = peak
+  return sorted(peaks, key=peaks.get)
 
 
 def device_need(setup: Setup) -> int:

@@ -145,6 +145,7 @@ def _run(setup: Setup, checkpoints, jsonl: Optional[TextIO],
   compiled = trainer.compile(setup.global_batch(first))
   compile_s = time.perf_counter() - compile_start
   log(f"compiled the step in {compile_s:.1f} s")
+  device_memory.check_compiled(setup, compiled.device_bytes)
   host_temp = compiled.host_temp_bytes
   pinned, offloaded_state = _host_bytes(trainer)
   last = (config.train.train_iters if stop_after_step is None

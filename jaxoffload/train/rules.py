@@ -77,6 +77,7 @@ def _check_choices(config: Config) -> None:
         f"float32 (the model computes in model.dtype) or both to bfloat16 (updates rounded "
         f"stochastically)")
   _one_of("data.dataset", config.data.dataset, DATASETS)
+  _one_of("train.fit", config.train.fit, (None, "auto"))
 
 
 def _check_sizes(config: Config) -> None:
@@ -117,12 +118,14 @@ def _check_sizes(config: Config) -> None:
     _at_least(key, value, 1)
   _at_least("logging.log_interval", config.logging.log_interval, 0)
   _at_least("train.seed", t.seed, 0)  # NumPy's generators of the text batches take no other.
-  if t.host_memory_limit is not None:
-    try:
-      limit = parse_bytes(t.host_memory_limit)
-    except ValueError as error:
-      raise ConfigError(f"train.host_memory_limit: {error}") from None
-    _at_least("train.host_memory_limit", limit, 1)
+  for key, value in (("train.host_memory_limit", t.host_memory_limit),
+                     ("train.device_memory_limit", t.device_memory_limit)):
+    if value is not None:
+      try:
+        limit = parse_bytes(value)
+      except ValueError as error:
+        raise ConfigError(f"{key}: {error}") from None
+      _at_least(key, limit, 1)
   if t.compilation_cache_dir == "":
     raise ConfigError("train.compilation_cache_dir must name a directory or be null, got ''")
   if t.global_batch_size % t.micro_batch_size:
