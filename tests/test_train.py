@@ -507,6 +507,8 @@ def test_offloaded_state_counts_the_host_kernels_weights_and_moments_once():
 
 
 SHARDED = "warning: optimizer offload streamed through the device on a mesh with fsdp="
+NOTHING_OFFLOADED = ("note: optimizer.optimizer_cpu_offload=True with optimizer_offload_fraction=0 "
+                     "(its default) offloads no optimizer state")
 
 
 @pytest.mark.parametrize("overrides, backend, warned", [
@@ -518,6 +520,7 @@ SHARDED = "warning: optimizer offload streamed through the device on a mesh with
     (["optimizer.overlap_cpu_optimizer_d2h_h2d=True"], "gpu", []),
     (["optimizer.overlap_cpu_optimizer_d2h_h2d=True", "mesh.fsdp=2"], "gpu", [SHARDED]),
     (HOST_KERNEL, "gpu", []),
+    (["optimizer.optimizer_offload_fraction=0"], "gpu", [NOTHING_OFFLOADED]),
 ])
 def test_combinations_that_run_slower_are_warned_about(overrides, backend, warned):
   config = load_config(None, ["optimizer.optimizer_cpu_offload=True",

@@ -12,6 +12,7 @@ from typing import Any, Callable, Union
 
 import jax
 import numpy as np
+from flax import nnx
 
 # A pytree of bools with the parameters' structure, or a predicate on a leaf's path
 # ("layers/mlp/kernel") and the leaf itself.
@@ -29,6 +30,18 @@ def leaf_path(key_path: tuple[Any, ...]) -> str:
     else:
       parts.append(str(key))
   return "/".join(parts)
+
+
+def array_values(params: Any) -> Any:
+  """``params`` with each Flax NNX ``Variable`` replaced by its array.
+
+  ``nnx.Optimizer`` initialises a transformation on its model's ``Param`` variables and
+  updates it with plain arrays: the state, and the paths an ``offload_mask`` sees
+  (``"l1/kernel"``), follow the arrays.
+  """
+  is_variable = lambda x: isinstance(x, nnx.Variable)
+  return jax.tree.map(lambda x: x.get_value() if is_variable(x) else x, params,
+                      is_leaf=is_variable)
 
 
 def check_fraction(offload_fraction: Any) -> float:

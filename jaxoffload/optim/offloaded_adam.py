@@ -13,7 +13,7 @@ from optax import tree_utils as otu
 
 from jaxoffload._compat import DEVICE_KIND, PINNED_HOST, to_host
 from jaxoffload.optim import blockwise
-from jaxoffload.optim.offload_plan import (OffloadMask, OffloadPlan,
+from jaxoffload.optim.offload_plan import (OffloadMask, OffloadPlan, array_values,
                                            check_fraction, plan_offload,
                                            replicated_like)
 from jaxoffload.optim.streaming import run_on_host, run_streamed
@@ -211,6 +211,7 @@ def scale_by_offloaded_adam(
       raise ValueError(f"{name} must be a floating dtype or int8 (8-bit blocks), got {dtype}")
 
   def init_fn(params):
+    params = array_values(params)
     _check_float_leaves(params)
     plan = plan_offload(params, offload_fraction=check_fraction(offload_fraction),
                         offload_mask=offload_mask)

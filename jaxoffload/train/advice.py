@@ -41,6 +41,10 @@ def warnings(config: Config, backend: str) -> list[str]:
         f"warning: optimizer offload streamed through the device on a mesh with fsdp="
         f"{mesh.fsdp}, tensor={mesh.tensor} ran slowly on GPUs "
         f"(docs/performance.md#several-gpus); mesh.data avoids it.")
+  if o.optimizer_cpu_offload and o.optimizer_offload_fraction == 0:
+    lines.append("note: optimizer.optimizer_cpu_offload=True with optimizer_offload_fraction=0 "
+                 "(its default) offloads no optimizer state: set a fraction up to 1.0, or auto "
+                 "for the least that fits")
   if backend == "cpu":
     # XLA's CPU client puts pinned_host arrays in the one memory it has.
     if m.cpu_offloading and m.cpu_offloading_activations:
