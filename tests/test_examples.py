@@ -53,6 +53,12 @@ def example(name: str) -> dict:
   return runpy.run_path(f"examples/{name}.py", run_name="example")
 
 
+def test_nnx_optimizer_trains_with_the_moments_in_host_memory(capsys):
+  losses = example("nnx_optimizer")["main"](steps=40)
+  assert losses[-1] < 0.5 * losses[0]
+  assert "moments in ['device', 'pinned_host']" in capsys.readouterr().out
+
+
 def test_optax_chain_trains_with_half_the_moments_in_host_memory(capsys):
   losses = example("optax_chain")["main"](steps=40)
   assert losses[-1] < 0.3 * losses[0]
