@@ -68,6 +68,7 @@ def test_the_limit_is_each_devices_capacity_and_the_planners_budget():
   assert fit.budgets_of(config).device == 24 * 10**9
 
 
+@pytest.mark.slow
 def test_the_fit_mode_trains_the_pick_it_names_under_the_limit(monkeypatch, capsys):
   monkeypatch.setattr(pricing, "measure_machine", lambda **_: MACHINE)
   monkeypatch.setattr(search, "calibrate", lambda configs, log: CALIBRATION)

@@ -61,7 +61,9 @@ def offloaded_state(opt: nnx.Optimizer) -> jaxoffload.ScaleByOffloadedAdamState:
   return state
 
 
-CASES = [pytest.param(way, update_on, jit, id=f"{way}-{update_on}-{'jit' if jit else 'eager'}")
+# Eager steps dispatch every operation on its own: the slow tier's.
+CASES = [pytest.param(way, update_on, jit, id=f"{way}-{update_on}-{'jit' if jit else 'eager'}",
+                      marks=() if jit else pytest.mark.slow)
          for way in WAYS for update_on in ("device", "host") for jit in (True, False)
          if jit or way == "alone"]
 
