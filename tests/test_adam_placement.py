@@ -1,5 +1,7 @@
 """Where offload_adamw keeps its state: memory kinds, bytes per kind, compilation, sharding."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -218,3 +220,15 @@ def test_a_sharded_streamed_update_moves_no_state_between_devices(overlap, jit_i
   assert max_rel_diff(got, want) <= 1e-6
   assert update._cache_size() == 1
   assert_moments_placed(state)
+
+
+def test_a_share_whole_leaves_miss_is_warned_about_where_the_state_is_made():
+  params = {"big": jnp.zeros((90, 10)), "small": jnp.zeros(100)}  # 90% and 10%.
+  with pytest.warns(UserWarning, match=r"offload_fraction=0.5: whole leaves offload 0.10 of the "
+                                       r"parameter elements \(optimizer state offloaded for 100 "
+                                       r"of 1,000 .*\); pick the leaves with offload_mask"):
+    jaxoffload.scale_by_offloaded_adam(offload_fraction=0.5).init(params)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    jaxoffload.scale_by_offloaded_adam(offload_fraction=0.9).init(params)
+    jaxoffload.scale_by_offloaded_adam(offload_mask=lambda path, _: path == "big").init(params)

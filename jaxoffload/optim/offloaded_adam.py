@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -38,6 +39,10 @@ class ScaleByOffloadedAdamState(NamedTuple):
 def _check_update_on(update_on: str) -> None:
   if update_on not in UPDATE_PLACES:
     raise ValueError(f"update_on must be one of {UPDATE_PLACES}, got {update_on!r}")
+
+
+# How far the achieved share may miss offload_fraction before init warns.
+FRACTION_TOLERANCE = 0.05
 
 
 def _check_float_leaves(params: Any) -> None:
@@ -215,6 +220,10 @@ def scale_by_offloaded_adam(
     _check_float_leaves(params)
     plan = plan_offload(params, offload_fraction=check_fraction(offload_fraction),
                         offload_mask=offload_mask)
+    if offload_mask is None and abs(plan.fraction - offload_fraction) > FRACTION_TOLERANCE:
+      warnings.warn(f"offload_fraction={offload_fraction}: whole leaves offload "
+                    f"{plan.fraction:.2f} of the parameter elements ({plan}); pick the leaves "
+                    f"with offload_mask, or split large ones", stacklevel=2)
     blocks = [n for n, d in (("mu_dtype", mu_dtype), ("nu_dtype", nu_dtype))
               if blockwise.is_blockwise(d)]
     if blocks and update_on == "device" and any(plan.offloaded):
