@@ -42,8 +42,8 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from common import median, metadata, time_steps, write_report
 
+from common import median, metadata, time_steps, write_report
 from jaxoffload.hf.tensor_files import copy_blocks
 from jaxoffload.host.adam import writable_view
 

@@ -43,8 +43,7 @@ def make(shape: str, directory: str) -> dict:
   import numpy as np
   from safetensors.numpy import save_file
 
-  from jaxoffload.hf.checkpoint import (INDEX_FILE, MAX_SHARD_BYTES,
-                                        tensor_shapes)
+  from jaxoffload.hf.checkpoint import INDEX_FILE, MAX_SHARD_BYTES, tensor_shapes
   from jaxoffload.hf.config import read_config
 
   os.makedirs(directory, exist_ok=True)
@@ -80,8 +79,7 @@ def stage(name: str) -> None:
   ended) and in the result."""
   import jax
 
-  from jaxoffload.memory import (bytes_by_memory_kind, host_rss_bytes,
-                                 peak_host_rss_bytes)
+  from jaxoffload.memory import bytes_by_memory_kind, host_rss_bytes, peak_host_rss_bytes
 
   pinned = bytes_by_memory_kind(jax.live_arrays()).get("pinned_host", 0)
   with open("/proc/self/status") as f:  # Anonymous, file-backed (mapped checkpoints), shared.
@@ -99,8 +97,7 @@ def fine_tune(directory: str, config_path: str, overrides: list[str], export_dir
   import jaxoffload
   from jaxoffload import hf
   from jaxoffload.memory import host_rss_bytes, peak_host_rss_bytes
-  from jaxoffload.train import (Trainer, host_memory, launch, load_config,
-                                resolve, weights)
+  from jaxoffload.train import Trainer, host_memory, launch, load_config, resolve, weights
 
   config = load_config(config_path, [f"model.hf_checkpoint={directory}", *overrides])
   launch.size_pinned_pool(config)  # As the trainer's command does, before JAX starts.

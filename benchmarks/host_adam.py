@@ -22,8 +22,8 @@ import ml_dtypes
 import numba
 import numpy as np
 import optax
-from common import median, metadata, time_steps, write_report
 
+from common import median, metadata, time_steps, write_report
 from jaxoffload import rounding
 from jaxoffload.host import adam
 

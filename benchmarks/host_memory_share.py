@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from common import median, metadata, time_steps, write_report
 
+from common import median, metadata, time_steps, write_report
 from jaxoffload import rounding
 from jaxoffload.host import adam
 

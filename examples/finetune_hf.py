@@ -15,8 +15,8 @@ import os
 import sys
 import tempfile
 
-from jaxoffload.train.export import export
 from jaxoffload.train import load_config, run
+from jaxoffload.train.export import export
 
 TINY = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "tiny_llama")
 

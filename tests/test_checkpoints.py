@@ -16,12 +16,9 @@ from jaxoffload.nn.params import regroup
 from jaxoffload.nn.remat import layer_groups
 from jaxoffload.optim.offload_plan import leaf_path
 from jaxoffload.train import Trainer, load_config, resolve, train
-from jaxoffload.train.checkpoints import (checkpoint_dir, claims,
-                                          host_checkpoint)
-from jaxoffload.train.checkpoints import saves as ckpt
+from jaxoffload.train.checkpoints import checkpoint_dir, claims, host_checkpoint, saves as ckpt
 from jaxoffload.train.config import ConfigError
-from tests.helpers import (HOST_KERNEL, QUIET, checkpoint_entries, listed,
-                           on_tmpfs)
+from tests.helpers import HOST_KERNEL, QUIET, checkpoint_entries, listed, on_tmpfs
 
 OFFLOAD = HOST_KERNEL[:2]
 

@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 from jaxoffload.nn import remat
-from jaxoffload.train import (ConfigError, advice, implied, load_config,
-                              reference, train)
+from jaxoffload.train import ConfigError, advice, implied, load_config, reference, train
 from jaxoffload.train.loading import config_from_dict, parse_override
 from jaxoffload.train.resolve import abstract_setup
 from jaxoffload.train.run_config import MeshConfig

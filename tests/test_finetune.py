@@ -13,12 +13,10 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from jaxoffload import hf
-from jaxoffload.train.export import export
-from jaxoffload.train.export import main as export_main
 from jaxoffload.nn.model import Llama, next_token_loss
-from jaxoffload.train import (ConfigError, Trainer, load_config, resolve, run,
-                              weights)
+from jaxoffload.train import ConfigError, Trainer, load_config, resolve, run, weights
 from jaxoffload.train.__main__ import main
+from jaxoffload.train.export import export, main as export_main
 from tests.helpers import QUIET, listed, on_tmpfs
 
 CHECKPOINT = "tests/fixtures/tiny_llama"

@@ -10,12 +10,10 @@ from jaxoffload import plan
 from jaxoffload.host import pricing
 from jaxoffload.plan import compiling, fit, search
 from jaxoffload.plan.compiling import Peaks
-from jaxoffload.plan.ladder import (HOST_HEADROOM, Budgets, Candidate, Ladder,
-                                    offload_overrides)
+from jaxoffload.plan.ladder import HOST_HEADROOM, Budgets, Candidate, Ladder, offload_overrides
 from jaxoffload.train import load_config, resolve, train
 from jaxoffload.train.step import CompiledStep, Trainer, resident_device_bytes
-from tests.planning import (CALIBRATION, MACHINE, TEMPORARIES,  # noqa: F401
-                            compiled_as_resident)
+from tests.planning import CALIBRATION, MACHINE, TEMPORARIES, compiled_as_resident  # noqa: F401
 
 
 def test_the_search_stops_once_the_pick_beats_every_bound(compiled_as_resident):

@@ -11,8 +11,7 @@ from jaxoffload.plan.compiling import Peaks
 from jaxoffload.plan.ladder import Budgets, Ladder
 from jaxoffload.train import load_config, resolve
 from jaxoffload.train.step import CompiledStep, Trainer, resident_device_bytes
-from tests.planning import (CALIBRATION, MACHINE, TEMPORARIES,  # noqa: F401
-                            compiled_as_resident)
+from tests.planning import CALIBRATION, MACHINE, TEMPORARIES, compiled_as_resident  # noqa: F401
 
 
 def test_a_ladder_whose_offload_the_rules_refuse_says_why_at_its_own_micro_batch():

@@ -15,8 +15,8 @@ import pytest
 
 from jaxoffload.nn.model import Llama, LlamaConfig, next_token_loss
 from jaxoffload.nn.params import init_params
-from jaxoffload.train import __main__ as train_main
-from jaxoffload.train import advice, levers, load_config, metrics, resolve, run
+from jaxoffload.train import (__main__ as train_main, advice, levers, load_config, metrics,
+                              resolve, run)
 from jaxoffload.train.step import Trainer
 
 

@@ -11,8 +11,7 @@ import pytest
 from jaxoffload._compat import to_device, to_host
 from jaxoffload.memory import activation_bytes
 from jaxoffload.nn import remat, sharding
-from jaxoffload.nn.model import (DecoderLayer, Llama, LlamaConfig, group_name,
-                                 next_token_loss)
+from jaxoffload.nn.model import DecoderLayer, Llama, LlamaConfig, group_name, next_token_loss
 from jaxoffload.nn.params import init_params, logical_param_specs, regroup
 from tests.helpers import max_rel_diff
 

@@ -14,9 +14,8 @@ import pytest
 
 from jaxoffload.nn.model import group_name
 from jaxoffload.optim.offload_plan import leaf_path
-from jaxoffload.train import Trainer, advice, load_config
-from jaxoffload.train import optimizer as train_optimizer
-from jaxoffload.train import resolve, run, train
+from jaxoffload.train import (Trainer, advice, load_config, optimizer as train_optimizer, resolve,
+                              run, train)
 from jaxoffload.train.__main__ import main
 from jaxoffload.train.launch import COMMAND_BUFFER_FLAG, set_xla_flags
 from tests.helpers import HOST_KERNEL, QUIET, listed, on_tmpfs

@@ -27,9 +27,8 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from jaxoffload._compat import to_device
-from jaxoffload.hf.config import (CONFIG_FILE, DTYPES, CheckpointError,
-                                  hf_config, read_config, read_raw_config,
-                                  stored_dtype)
+from jaxoffload.hf.config import (CONFIG_FILE, DTYPES, CheckpointError, hf_config, read_config,
+                                  read_raw_config, stored_dtype)
 from jaxoffload.hf.tensor_files import MappedFile, copy_blocks
 from jaxoffload.nn.model import Llama, LlamaConfig
 from jaxoffload.nn.params import abstract_params

@@ -163,8 +163,7 @@ def hf_config(config: LlamaConfig, dtype: str,
   kept = {k: v for k, v in (source or {}).items() if k not in model and k not in superseded}
   fields = {**kept, **model}
   try:
-    from transformers import \
-        LlamaConfig as TransformersConfig  # The hf extra: optional.
+    from transformers import LlamaConfig as TransformersConfig  # The hf extra: optional.
   except ImportError:
     return fields
   # Through transformers' own class, the file holds the keys and defaults that the

@@ -26,9 +26,8 @@ from typing import Any, NamedTuple, Optional, Union
 
 import jax
 
-from jaxoffload.nn.model import (DecoderLayer, Llama, RMSNorm, constrain,
-                                 embedding, next_token_loss, output_layer,
-                                 output_logits)
+from jaxoffload.nn.model import (DecoderLayer, Llama, RMSNorm, constrain, embedding,
+                                 next_token_loss, output_layer, output_logits)
 from jaxoffload.nn.remat import LayerGroup
 
 EMBED = "embed"

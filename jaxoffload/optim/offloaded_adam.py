@@ -14,9 +14,8 @@ from optax import tree_utils as otu
 
 from jaxoffload._compat import DEVICE_KIND, PINNED_HOST, to_host
 from jaxoffload.optim import blockwise
-from jaxoffload.optim.offload_plan import (OffloadMask, OffloadPlan, array_values,
-                                           check_fraction, plan_offload,
-                                           replicated_like)
+from jaxoffload.optim.offload_plan import (OffloadMask, OffloadPlan, array_values, check_fraction,
+                                           plan_offload, replicated_like)
 from jaxoffload.optim.streaming import run_on_host, run_streamed
 from jaxoffload.rounding import stochastic_round
 

@@ -18,8 +18,7 @@ from jax.experimental import multihost_utils
 from jaxoffload.host import pricing
 from jaxoffload.memory import available, host_rss_bytes, parse_bytes
 from jaxoffload.plan.compiling import Peaks
-from jaxoffload.plan.ladder import (Budgets, Candidate, Ladder,
-                                    offload_overrides)
+from jaxoffload.plan.ladder import Budgets, Candidate, Ladder, offload_overrides
 from jaxoffload.train import host_memory
 from jaxoffload.train.config import Config, ConfigError
 from jaxoffload.train.implied import moment_dtypes

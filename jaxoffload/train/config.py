@@ -19,9 +19,8 @@ from typing import Optional, Union
 from jaxoffload.nn import remat
 from jaxoffload.nn.model import LlamaConfig
 # Re-exported: every section imports from here.
-from jaxoffload.train.run_config import (CheckpointConfig, DataConfig,
-                                         DistributedConfig, EvalConfig,
-                                         LoggingConfig, MeshConfig)
+from jaxoffload.train.run_config import (CheckpointConfig, DataConfig, DistributedConfig,
+                                         EvalConfig, LoggingConfig, MeshConfig)
 
 
 class ConfigError(ValueError):

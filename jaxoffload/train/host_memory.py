@@ -15,15 +15,12 @@ import os
 from typing import Any, Optional
 
 import jax
-import jax.numpy as jnp
 
 from jaxoffload.host import kernel_state
-from jaxoffload.memory import (available, offloaded_activation_bytes,
-                               parse_bytes, size)
+from jaxoffload.memory import available, offloaded_activation_bytes, parse_bytes, size
 from jaxoffload.nn.model import group_name
 from jaxoffload.optim.offload_plan import leaf_path
-from jaxoffload.train import levers
-from jaxoffload.train import weights as weights_
+from jaxoffload.train import levers, weights as weights_
 from jaxoffload.train.checkpoints import checkpoint_dir, host_checkpoint
 from jaxoffload.train.config import ConfigError
 from jaxoffload.train.per_layer.overlap import GRADIENT_BYTES_AHEAD

@@ -13,10 +13,8 @@ import jax
 
 import jaxoffload
 from jaxoffload.memory import host_rss_bytes
-from jaxoffload.train import (advice, device_memory, host_memory, launch,
-                              metrics, stopping, weights)
-from jaxoffload.train.checkpoints import checkpoint_dir
-from jaxoffload.train.checkpoints import saves as ckpt
+from jaxoffload.train import advice, device_memory, host_memory, launch, metrics, stopping, weights
+from jaxoffload.train.checkpoints import checkpoint_dir, saves as ckpt
 from jaxoffload.train.config import Config
 from jaxoffload.train.resolve import resolve
 from jaxoffload.train.setup import Setup

@@ -25,10 +25,8 @@ from optax import tree_utils as otu
 from jaxoffload import rounding
 from jaxoffload._compat import DEVICE_KIND, PINNED_HOST, to_device, to_host
 from jaxoffload.nn.model import next_token_loss
-from jaxoffload.train.grads import (add_to_sum, loss_and_grads,
-                                    mean_loss_and_grads, micro_batch)
-from jaxoffload.train.optimizer import (device_shapes, optimizer,
-                                        state_shardings)
+from jaxoffload.train.grads import add_to_sum, loss_and_grads, mean_loss_and_grads, micro_batch
+from jaxoffload.train.optimizer import device_shapes, optimizer, state_shardings
 from jaxoffload.train.setup import Setup
 
 

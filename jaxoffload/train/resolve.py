@@ -15,18 +15,16 @@ from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from jaxoffload.nn import sharding
-from jaxoffload.nn.model import Llama, LlamaConfig, compute_dtypes, group_name
+from jaxoffload.nn.model import LlamaConfig, compute_dtypes, group_name
 from jaxoffload.nn.params import cut_param_shapes
 from jaxoffload.nn.remat import LayerGroup
 from jaxoffload.optim.offload_plan import OffloadPlan, leaf_path, plan_offload
 from jaxoffload.train import data
 from jaxoffload.train.config import Config, ConfigError
 from jaxoffload.train.implied import Implied, implied
-from jaxoffload.train.offload_choice import (candidate_places,
-                                             resolve_update_place)
+from jaxoffload.train.offload_choice import candidate_places, resolve_update_place
 from jaxoffload.train.schedule import learning_rate
 from jaxoffload.train.setup import Setup, host_leaves
 

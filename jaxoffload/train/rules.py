@@ -13,10 +13,8 @@ from jaxoffload.memory import parse_bytes
 from jaxoffload.nn import remat
 from jaxoffload.optim.offload_plan import check_fraction
 from jaxoffload.optim.offloaded_adam import UPDATE_PLACES
-from jaxoffload.train.config import (Config, ConfigError, ModelConfig,
-                                     OptimizerConfig)
-from jaxoffload.train.implied import (host_update_overlap_blocker,
-                                      layer_groups, per_layer_blocker)
+from jaxoffload.train.config import Config, ConfigError, ModelConfig, OptimizerConfig
+from jaxoffload.train.implied import host_update_overlap_blocker, layer_groups, per_layer_blocker
 from jaxoffload.train.tokenizer import BYTE_VOCAB_SIZE
 
 DTYPES = ("float32", "bfloat16")

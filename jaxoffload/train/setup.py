@@ -13,7 +13,7 @@ from jaxoffload.nn import sharding
 from jaxoffload.nn.model import Llama, LlamaConfig, group_name
 from jaxoffload.nn.remat import LayerGroup
 from jaxoffload.optim.offload_plan import OffloadPlan
-from jaxoffload.train import data
+from jaxoffload.train.data import Data
 from jaxoffload.train.config import Config
 from jaxoffload.train.implied import Implied
 
@@ -64,7 +64,7 @@ class Setup:
   fetched_by_model: Any
   schedule: optax.Schedule
   choices: tuple[str, ...]
-  data: Optional[data.Data]
+  data: Optional[Data]
   implied: Implied
   host_kernel: bool
   overlaps_host_update: bool

@@ -24,9 +24,8 @@ from jaxoffload.nn.model import Llama
 from jaxoffload.nn.params import init_params
 from jaxoffload.optim.offload_plan import leaf_path
 from jaxoffload.train.checkpoints import host_checkpoint
-from jaxoffload.train.optimizer import (Moments, device_shapes, host_adamw,
-                                        moment_values, stored_moments,
-                                        value_targets)
+from jaxoffload.train.optimizer import (Moments, device_shapes, host_adamw, moment_values,
+                                        stored_moments, value_targets)
 from jaxoffload.train.per_layer.overlap import OverlappedStep
 from jaxoffload.train.programs import StepPrograms
 from jaxoffload.train.setup import Setup

@@ -18,8 +18,7 @@ from jaxoffload.hf.config import CheckpointError
 from jaxoffload.nn.model import Llama
 from jaxoffload.nn.params import abstract_params
 from jaxoffload.train import implied
-from jaxoffload.train.checkpoints import checkpoint_meta, reader
-from jaxoffload.train.checkpoints import saves as ckpt
+from jaxoffload.train.checkpoints import checkpoint_meta, reader, saves as ckpt
 from jaxoffload.train.config import ConfigError
 from jaxoffload.train.loading import config_from_dict
 from jaxoffload.train.setup import Setup

@@ -28,8 +28,7 @@ import orbax.checkpoint as ocp
 
 from jaxoffload.nn.model import LlamaConfig
 from jaxoffload.train import implied
-from jaxoffload.train.checkpoints import (checkpoint_dir, host_checkpoint,
-                                          reader)
+from jaxoffload.train.checkpoints import checkpoint_dir, host_checkpoint, reader
 from jaxoffload.train.checkpoints.checkpoint_meta import read_meta
 from jaxoffload.train.config import Config, ConfigError
 from jaxoffload.train.loading import RUN_FIELDS, config_from_dict

@@ -24,9 +24,7 @@ from jaxoffload.nn import layered, remat
 from jaxoffload.nn.model import group_name
 from jaxoffload.train.grads import add_to_sum, micro_batch
 from jaxoffload.train.optimizer import plain_adamw
-from jaxoffload.train.per_layer.offloaded_layers import (adamw_layer,
-                                                         moments_of,
-                                                         with_moments,
+from jaxoffload.train.per_layer.offloaded_layers import (adamw_layer, moments_of, with_moments,
                                                          write_layer)
 from jaxoffload.train.programs import StepPrograms, step_count
 
