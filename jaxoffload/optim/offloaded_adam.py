@@ -217,10 +217,10 @@ def scale_by_offloaded_adam(
   def init_fn(params):
     params = array_values(params)
     _check_float_leaves(params)
-    plan = plan_offload(params, offload_fraction=check_fraction(offload_fraction),
-                        offload_mask=offload_mask)
-    if offload_mask is None and abs(plan.fraction - offload_fraction) > FRACTION_TOLERANCE:
-      warnings.warn(f"offload_fraction={offload_fraction}: whole leaves offload "
+    fraction = check_fraction(offload_fraction)
+    plan = plan_offload(params, offload_fraction=fraction, offload_mask=offload_mask)
+    if offload_mask is None and abs(plan.fraction - fraction) > FRACTION_TOLERANCE:
+      warnings.warn(f"offload_fraction={fraction}: whole leaves offload "
                     f"{plan.fraction:.2f} of the parameter elements ({plan}); pick the leaves "
                     f"with offload_mask, or split large ones", stacklevel=2)
     blocks = [n for n, d in (("mu_dtype", mu_dtype), ("nu_dtype", nu_dtype))

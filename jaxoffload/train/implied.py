@@ -2,8 +2,8 @@
 ``implied`` computes it once, for ``resolve``.
 
 Example:
-  derived = implied(load_config(None, ["train.global_batch_size=8"]))
-  derived.micro_batches  # 8 over train.micro_batch_size
+  derived = implied(load_config(None, ["train.micro_batch_size=2"]))
+  derived.micro_batches  # 4: the default 8 sequences a step, 2 a forward pass
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from jaxoffload.train.config import Config, ConfigError
 class Implied:
   """What a config's keys imply, each by the function of its name below."""
 
-  groups: tuple[remat.LayerGroup, ...]  # The layer groups (``layer_groups``).
+  # The config's layer groups (``layer_groups``); ``Setup.groups`` adds what the run fetches.
+  groups: tuple[remat.LayerGroup, ...]
   moment_dtypes: tuple[str, str]  # Adam's two moments' dtypes.
   micro_batches: int  # How many micro-batches make a step.
   clips_gradients: bool  # Whether the update clips by the global norm.
