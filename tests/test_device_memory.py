@@ -13,7 +13,7 @@ from jaxoffload.train import load_config, resolve, run, train
 from jaxoffload.train.__main__ import main
 from jaxoffload.train.config import ConfigError
 from jaxoffload.train.device_memory import capacity
-from jaxoffload.train.step import Trainer
+from jaxoffload.train.step import Trainer, resident_device_bytes
 from tests.planning import CALIBRATION, MACHINE
 
 BASE = ["train.train_iters=1", "train.global_batch_size=8", "train.micro_batch_size=8",
@@ -86,3 +86,14 @@ def test_the_fit_mode_trains_the_pick_it_names_under_the_limit(monkeypatch, caps
   assert compiled_peak([*BASE, *picked]) == pytest.approx(peak, rel=0.05)
   run_ = run(config, log=logged.append, choices=chosen)
   assert line in logged and len(run_.losses) == 1 and run_.compiled_device_bytes <= limit
+
+
+def test_the_evaluation_is_compiled_ahead_and_its_peak_counts_the_state_beside_it():
+  setup = resolve(load_config(None, [*BASE, "eval.interval=1"]))
+  trainer = Trainer(setup, None)
+  tokens = setup.eval_batch(0)
+  jitted = float(trainer.evaluate(tokens).addressable_data(0))
+  peak = trainer.compile_evaluation(tokens)
+  assert float(trainer.evaluate(tokens).addressable_data(0)) == jitted
+  # Its program holds the parameters; the optimizer state stays beside it.
+  assert peak > resident_device_bytes(trainer)

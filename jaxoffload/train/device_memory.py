@@ -109,7 +109,8 @@ def check_compiled(setup: Setup, peak: int, have: Optional[tuple[int, str]] = No
 
   Args:
     setup: the run.
-    peak: XLA's device peak of its compiled step (``CompiledStep.device_bytes``).
+    peak: XLA's device peak of its compiled programs: the step's (``CompiledStep.device_bytes``)
+      and the evaluation's (``Trainer.compile_evaluation``).
     have: the bytes each device may use and where that figure comes from; default
       ``capacity``'s.
 

@@ -143,7 +143,10 @@ def _run(setup: Setup, checkpoints, jsonl: Optional[TextIO],
   compiled = trainer.compile(setup.global_batch(first))
   compile_s = time.perf_counter() - compile_start
   log(f"compiled the step in {compile_s:.1f} s")
-  device_memory.check_compiled(setup, compiled.device_bytes)
+  peak = compiled.device_bytes
+  if config.eval.interval > 0:  # Its program is known before the first step too.
+    peak = max(peak, trainer.compile_evaluation(setup.eval_batch(0)))
+  device_memory.check_compiled(setup, peak)
   host_temp = compiled.host_temp_bytes
   pinned, offloaded_state = _host_bytes(trainer)
   last = (config.train.train_iters if stop_after_step is None

@@ -112,6 +112,7 @@ class Trainer:
     self.overlapped = OverlappedStep(self.programs) if setup.runs_per_layer else None
     self._host_shapes: list[jax.ShapeDtypeStruct] = []
     self._compiled: tuple[jax.stages.Compiled, ...] = ()
+    self._evaluation: Optional[jax.stages.Compiled] = None
 
   @property
   def host_params(self) -> list[jax.Array]:
@@ -201,7 +202,16 @@ class Trainer:
     """The loss on ``tokens`` at the current parameters, with no update."""
     if self.host is not None:
       self.host.apply_held()
-    return self.programs.eval_loss(self.params, self.host_params, tokens)
+    return (self._evaluation or self.programs.eval_loss)(self.params, self.host_params, tokens)
+
+  def compile_evaluation(self, tokens: jax.Array) -> int:
+    """Compiles the held-out loss for batches like ``tokens`` (``evaluate`` then runs it)
+    and returns its device peak: XLA's for the program, with the optimizer state that stays
+    in device memory beside it."""
+    self._evaluation = self.programs.eval_loss.lower(self.params, self.host_params,
+                                                     tokens).compile()
+    return (compiled_device_bytes(self._evaluation.memory_analysis())
+            + _device_bytes(self.opt_state))
 
   def checkpoint(self) -> dict:
     """The whole state as placement-free trees, for orbax: ``params`` (the host kernel's
