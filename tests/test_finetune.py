@@ -184,7 +184,7 @@ def test_export_onto_an_existing_path_exits_2_with_one_line_and_changes_nothing(
   assert kept.read_text() == "keep me" and os.listdir(tmp_path) == ["out"]
 
 
-@pytest.mark.parametrize("out", ["out", "new/parents/out"])
+@pytest.mark.parametrize("out", [pytest.param("out", marks=pytest.mark.slow), "new/parents/out"])
 def test_export_into_an_empty_or_new_directory_fills_it(tmp_path, exported_run, out):
   if out == "out":
     (tmp_path / "out").mkdir()

@@ -26,7 +26,9 @@ def signalled_at(monkeypatch, step: int, *signums: int) -> None:
   monkeypatch.setattr(metrics.Monitor, "record", record_then_signal)
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, pytest.param(signal.SIGINT,
+                                                                   marks=pytest.mark.slow)],
+                         ids=["SIGTERM", "SIGINT"])
 def test_a_signal_stops_the_run_after_its_step_saved_there_and_the_run_resumes_exactly(
     tmp_path, monkeypatch, signum):
   whole = train(load_config(None, ["train.train_iters=6"]), log=QUIET)
