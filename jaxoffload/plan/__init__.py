@@ -22,8 +22,10 @@ Each candidate is judged before anything is allocated:
 It prints every candidate it judged (compiled or not, and why), marks what
 fits, and picks the fastest that fits, with the seconds each part of the plan took; XLA's
 own log lines are left out.
-``optimizer.optimizer_offload_fraction=auto`` in the trainer runs the same search over the
-offload alone (``jaxoffload.plan.fit``, whose ladders and search this one extends).
+``train.fit=auto`` has the trainer start with this search's pick, and
+``optimizer.optimizer_offload_fraction=auto`` with the same search over the offload alone
+(``jaxoffload.plan.fit``, whose ladders and search this one extends): ``choose`` settles both.
+``train.device_memory_limit`` sets the device budget below the device's own.
 """
 
 from jaxoffload.plan.choose import choose
